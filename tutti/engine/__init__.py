@@ -1,0 +1,1 @@
+"""The engine: chunk index, planning, staging ring and the layer-wise pipeline."""

@@ -1,0 +1,294 @@
+"""The one queue contract every IO backend implements (io_uring, threads, libnvm).
+
+A backend takes batches of requests, accepts as many as it can take right now (partial
+acceptance, as Tutti's StorageRuntime does) and hands back one future per accepted request.
+The engine never knows which backend it talks to.
+"""
+
+from __future__ import annotations
+
+import abc
+import errno as _errno
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+READ = "read"
+WRITE = "write"
+
+#: Direct IO alignment every backend demands of buffer address, buffer offset, file offset and length.
+ALIGN = 4096
+
+
+class IOErrorWithRequest(OSError):
+    """An IO failure that carries the errno and the request that failed."""
+
+    def __init__(self, err: int, request: "IORequest", detail: str = "") -> None:
+        msg = f"{request.op} of {request.length} B at offset {request.offset} of fd {request.fd} failed"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(err, f"{msg} ({os.strerror(err) if err > 0 else 'error'})")
+        self.request = request
+
+
+@dataclass(frozen=True, eq=False)
+class IORequest:
+    """One read or write of `length` bytes between `buf[buf_offset:]` and `fd` at `offset`."""
+
+    fd: int
+    offset: int
+    buf: torch.Tensor
+    buf_offset: int
+    length: int
+    op: str = READ
+    tag: object = None  # caller's cookie, handed back untouched
+
+    def buffer_address(self) -> int:
+        return self.buf.data_ptr() + self.buf_offset
+
+
+def check_request(req: IORequest, align: int = ALIGN, max_io: int | None = None) -> None:
+    """Raise ValueError naming the field, value and fix, before any IO is issued."""
+    if req.op not in (READ, WRITE):
+        raise ValueError(f"IORequest.op={req.op!r}: expected 'read' or 'write'")
+    if not isinstance(req.buf, torch.Tensor) or req.buf.dtype != torch.uint8 or req.buf.device.type != "cpu":
+        raise ValueError(
+            f"IORequest.buf: expected a CPU torch.uint8 tensor, got "
+            f"{getattr(req.buf, 'dtype', type(req.buf))} on {getattr(req.buf, 'device', '?')}; "
+            "allocate it with tutti.io.buffers.aligned_buffer"
+        )
+    if not req.buf.is_contiguous():
+        raise ValueError("IORequest.buf: expected a contiguous tensor")
+    nbytes = req.buf.numel()
+    if req.length <= 0:
+        raise ValueError(f"IORequest.length={req.length}: expected a positive byte count")
+    if req.buf_offset < 0 or req.buf_offset + req.length > nbytes:
+        raise ValueError(
+            f"IORequest.buf_offset={req.buf_offset}, length={req.length}: the range runs past "
+            f"the buffer's {nbytes} bytes"
+        )
+    if req.offset < 0:
+        raise ValueError(f"IORequest.offset={req.offset}: expected a non-negative file offset")
+    if align > 1:
+        for name, value in (
+            ("offset", req.offset),
+            ("buf_offset", req.buf_offset),
+            ("length", req.length),
+            ("buffer address", req.buffer_address()),
+        ):
+            if value % align:
+                raise ValueError(
+                    f"IORequest.{name}={value}: must be a multiple of {align} for direct IO; "
+                    "pad segments to 4 KiB and use tutti.io.buffers.aligned_buffer"
+                )
+    if max_io is not None and req.length > max_io:
+        raise ValueError(
+            f"IORequest.length={req.length}: larger than this queue's largest single IO "
+            f"({max_io} B, see caps().max_io_bytes); split the request"
+        )
+
+
+class IOFuture:
+    """Completion of one request: `done()`, `result()` (bytes moved) or the IO error it raised."""
+
+    __slots__ = ("request", "_event", "_result", "_error", "_callbacks", "_waiter")
+
+    def __init__(self, request: IORequest, waiter: Callable[[float | None], None] | None = None) -> None:
+        self.request = request
+        self._event = threading.Event()
+        self._result: int | None = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[["IOFuture"], None]] = []
+        # Called to make progress while waiting (a polling backend reaps completions here).
+        self._waiter = waiter
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> int:
+        if not self._event.is_set():
+            if self._waiter is not None:
+                self._waiter(timeout)
+            if not self._event.wait(timeout):
+                raise TimeoutError(f"IO {self.request.op} at offset {self.request.offset} not done after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed back, not swallowed
+            return exc
+        return None
+
+    def add_done_callback(self, fn: Callable[["IOFuture"], None]) -> None:
+        if self._event.is_set():
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+    # -- backend side -------------------------------------------------------------------
+    def set_result(self, nbytes: int) -> None:
+        req = self.request
+        if nbytes < 0:
+            self._error = IOErrorWithRequest(-nbytes, req)
+        elif nbytes != req.length:
+            self._error = IOErrorWithRequest(
+                _errno.EIO, req, f"short {req.op}: {nbytes} of {req.length} bytes"
+            )
+        else:
+            self._result = nbytes
+        self._finish()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._error = exc
+        self._finish()
+
+    def _finish(self) -> None:
+        self._event.set()
+        for fn in self._callbacks:
+            fn(self)
+        self._callbacks.clear()
+
+
+@dataclass(frozen=True)
+class QueueCaps:
+    """The real limits of a queue, as the backend found them."""
+
+    backend: str
+    alignment: int  # required alignment of buffer, offsets and length (1 = none)
+    max_io_bytes: int  # largest single request
+    queue_depth: int  # entries one submit can take
+    max_in_flight: int  # requests outstanding at once
+    direct_io: bool  # whether files are opened with O_DIRECT
+    extra: dict = field(default_factory=dict)
+
+
+class IOQueue(abc.ABC):
+    """Batched submit with partial acceptance; completions are futures."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def caps(self) -> QueueCaps: ...
+
+    @abc.abstractmethod
+    def submit(self, requests: Sequence[IORequest]) -> list[IOFuture]:
+        """Validate all requests (ValueError before any IO), then accept a prefix of them.
+
+        Returns one future per accepted request, in order; `len(result) < len(requests)` means
+        the queue is full and the caller resubmits the rest later (see `submit_all`).
+        """
+
+    def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False) -> int:
+        """Open a file the way this backend wants it (O_DIRECT where supported). Returns an fd."""
+        flags = os.O_RDWR if write else os.O_RDONLY
+        if create:
+            flags |= os.O_CREAT
+        return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+    def register_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Register staging buffers once (fixed buffers for io_uring). Optional."""
+
+    def poll(self, timeout: float | None = 0.0) -> int:
+        """Reap completions, waiting up to `timeout` seconds for at least one. Returns how many."""
+        return 0
+
+    def drain(self) -> None:
+        """Wait until nothing is in flight."""
+
+    def close(self) -> None:
+        """Finish in-flight IO and release the queue."""
+
+    def __enter__(self) -> "IOQueue":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def submit_all(queue: IOQueue, requests: Iterable[IORequest], poll_timeout: float = 0.05) -> list[IOFuture]:
+    """Submit every request, resubmitting the part a full queue refused in windows."""
+    pending = list(requests)
+    futures: list[IOFuture] = []
+    while pending:
+        accepted = queue.submit(pending)
+        futures.extend(accepted)
+        pending = pending[len(accepted):]
+        if pending and not accepted:
+            queue.poll(poll_timeout)
+    return futures
+
+
+def wait_all(futures: Iterable[IOFuture], timeout: float | None = None) -> list[int]:
+    """Wait for every future; raise the first error after all have finished."""
+    futures = list(futures)
+    results: list[int] = []
+    first: BaseException | None = None
+    for fut in futures:
+        try:
+            results.append(fut.result(timeout))
+        except TimeoutError:
+            raise
+        except BaseException as exc:  # noqa: BLE001
+            if first is None:
+                first = exc
+            results.append(-1)
+    if first is not None:
+        raise first
+    return results
+
+
+_BACKENDS: dict[str, Callable[..., IOQueue]] = {}
+
+
+def register_backend(name: str) -> Callable[[Callable[..., IOQueue]], Callable[..., IOQueue]]:
+    """Register an IO backend factory under `name` (used by config: `io_backend`)."""
+
+    def deco(factory: Callable[..., IOQueue]) -> Callable[..., IOQueue]:
+        _BACKENDS[name] = factory
+        return factory
+
+    return deco
+
+
+def available_backends() -> list[str]:
+    _load_builtin_backends()
+    return sorted(_BACKENDS)
+
+
+def open_queue(backend: str = "auto", **kwargs) -> IOQueue:
+    """Open a queue by backend name; "auto" tries io_uring and falls back to threads."""
+    _load_builtin_backends()
+    if backend == "auto":
+        backend = "uring" if "uring" in _BACKENDS else "threads"
+        try:
+            return _BACKENDS[backend](**kwargs)
+        except OSError as exc:
+            import warnings
+
+            warnings.warn(f"tutti: io_uring refused ({exc}); falling back to the threads backend", stacklevel=2)
+            return _BACKENDS["threads"](**kwargs)
+    if backend not in _BACKENDS:
+        raise ValueError(
+            f"io_backend={backend!r}: unknown backend; expected one of {['auto', *available_backends()]}"
+        )
+    return _BACKENDS[backend](**kwargs)
+
+
+def _load_builtin_backends() -> None:
+    # Imported lazily so that `tutti.io.queue` has no import-time dependency on any backend.
+    import importlib
+
+    for mod in ("tutti.io.threads", "tutti.io.uring", "tutti.io.nvme"):
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            pass

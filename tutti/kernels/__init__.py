@@ -1,0 +1,1 @@
+"""Triton kernels that move KV between vLLM's paged cache and packed layer segments."""

@@ -1,0 +1,1 @@
+"""The vLLM connector: translates vLLM's callbacks to the engine."""
