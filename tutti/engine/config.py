@@ -1,0 +1,121 @@
+"""The engine's configuration: parsed from a plain dict (vLLM's kv_connector_extra_config),
+validated once at start-up, every error naming the key, the value and the allowed range."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
+          "tib": 1 << 40}
+
+
+def parse_bytes(key: str, value: Any) -> int:
+    """An int, or a string like '64GiB', '512 MiB', '1e9'."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key}={value!r}: expected a byte count such as 1073741824 or '64GiB'")
+    if isinstance(value, (int, float)) and value == int(value):
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(f"{key}={value!r}: expected a byte count such as 1073741824 or '64GiB'")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    roots: tuple[str, ...]
+    capacity_bytes: int
+    chunk_tokens: int = 256
+    io_backend: str = "auto"
+    kernel_variant: str = "auto"
+    lookahead: int = 2  # layers read ahead of the layer being computed
+    staging_bytes: int = 256 << 20  # host staging ring (pinned where CUDA exists)
+    staging_slots: int = 16
+    max_inflight_stores: int = 12  # staging slots stores may hold; beyond it stores are skipped
+    verify_checksums: bool = True
+    slots_per_slab: int = 64
+    store_decode: bool = False  # also store chunks completed by generated tokens
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def staging_slot_bytes(self) -> int:
+        return (self.staging_bytes // self.staging_slots) // 4096 * 4096
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], *, rank: int = 0) -> "EngineConfig":
+        """Validate `raw` (unknown keys rejected); `{rank}` in a root expands to `rank`."""
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)} - {"roots", "extra"} | {"root", "roots"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config: unknown key(s) {unknown}; allowed keys are {sorted(known)}"
+            )
+        if "root" in raw and "roots" in raw:
+            raise ValueError("kv_connector_extra_config: give either 'root' or 'roots', not both")
+        roots_v = raw.pop("roots", raw.pop("root", None))
+        if roots_v is None:
+            raise ValueError("kv_connector_extra_config.root: missing; give a directory (or 'roots': a list, "
+                             "one per drive), e.g. {\"root\": \"/mnt/nvme/tutti\"}")
+        if isinstance(roots_v, str):
+            roots_v = [roots_v]
+        if not isinstance(roots_v, (list, tuple)) or not roots_v or not all(isinstance(r, str) and r for r in roots_v):
+            raise ValueError(f"kv_connector_extra_config.roots={roots_v!r}: expected a non-empty list of directory paths")
+        roots = tuple(r.replace("{rank}", str(rank)) for r in roots_v)
+        if "capacity_bytes" not in raw:
+            raise ValueError("kv_connector_extra_config.capacity_bytes: missing; give the store's size, e.g. '64GiB'")
+        kw: dict[str, Any] = {"roots": roots, "capacity_bytes": parse_bytes("capacity_bytes", raw.pop("capacity_bytes"))}
+        if "staging_bytes" in raw:
+            kw["staging_bytes"] = parse_bytes("staging_bytes", raw.pop("staging_bytes"))
+        for name, lo, hi in (("chunk_tokens", 1, 1 << 20), ("lookahead", 1, 1024), ("staging_slots", 2, 4096),
+                             ("max_inflight_stores", 1, 4096), ("slots_per_slab", 1, 1 << 20)):
+            if name in raw:
+                v = raw.pop(name)
+                if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                    raise ValueError(f"kv_connector_extra_config.{name}={v!r}: expected an integer in [{lo}, {hi}]")
+                kw[name] = v
+        for name in ("verify_checksums", "store_decode"):
+            if name in raw:
+                v = raw.pop(name)
+                if not isinstance(v, bool):
+                    raise ValueError(f"kv_connector_extra_config.{name}={v!r}: expected true or false")
+                kw[name] = v
+        if "io_backend" in raw:
+            v = raw.pop("io_backend")
+            allowed = ("auto", "uring", "threads", "nvme")
+            if v not in allowed:
+                raise ValueError(f"kv_connector_extra_config.io_backend={v!r}: expected one of {list(allowed)}")
+            kw["io_backend"] = v
+        if "kernel_variant" in raw:
+            v = raw.pop("kernel_variant")
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"kv_connector_extra_config.kernel_variant={v!r}: expected a registered variant "
+                                 "name ('auto', 'triton', 'torch') or 'package.module:function'")
+            kw["kernel_variant"] = v
+        cfg = cls(**kw)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"kv_connector_extra_config.capacity_bytes={self.capacity_bytes}: expected a positive size")
+        if self.staging_slot_bytes < 4096:
+            raise ValueError(
+                f"kv_connector_extra_config.staging_bytes={self.staging_bytes}: with staging_slots="
+                f"{self.staging_slots} each slot is under 4 KiB; raise staging_bytes"
+            )
+        if self.max_inflight_stores > self.staging_slots - 1:
+            raise ValueError(
+                f"kv_connector_extra_config.max_inflight_stores={self.max_inflight_stores}: must leave at least one "
+                f"of staging_slots={self.staging_slots} for loads; expected at most {self.staging_slots - 1}"
+            )
+        if self.lookahead > self.staging_slots - self.max_inflight_stores:
+            raise ValueError(
+                f"kv_connector_extra_config.lookahead={self.lookahead}: loads may use only staging_slots - "
+                f"max_inflight_stores = {self.staging_slots - self.max_inflight_stores} slots; lower lookahead "
+                "or max_inflight_stores"
+            )

@@ -1,0 +1,145 @@
+"""The chunk index: which chunks are resident in which slots, in LRU order, with pins.
+
+It runs in the scheduler's process and owns slot allocation; workers only move bytes into the
+slots it names. A store is pending (invisible to lookups) until `commit`, and a pinned chunk
+(being loaded) is never evicted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class StoreReservation:
+    """Slots reserved for a batch of new chunks, and the resident chunks evicted to make room."""
+
+    slots: dict[bytes, int]
+    evicted: list[bytes] = field(default_factory=list)
+    declined: list[bytes] = field(default_factory=list)  # no slot could be freed (all pinned)
+
+
+class ChunkIndex:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"num_slots={num_slots}: the capacity holds no chunk; raise capacity_bytes")
+        self.num_slots = num_slots
+        self._resident: OrderedDict[bytes, int] = OrderedDict()  # LRU first
+        self._pending: dict[bytes, int] = {}
+        self._pins: Counter[bytes] = Counter()
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
+        self.evictions = 0
+
+    # -- queries -------------------------------------------------------------------------
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._resident
+
+    def __len__(self) -> int:
+        return len(self._resident)
+
+    def slot_of(self, key: bytes) -> int | None:
+        return self._resident.get(key)
+
+    def is_pending(self, key: bytes) -> bool:
+        return key in self._pending
+
+    @property
+    def used_slots(self) -> int:
+        return len(self._resident) + len(self._pending)
+
+    def lookup_prefix(self, keys: Sequence[bytes], touch: bool = True) -> int:
+        """Length of the longest run of resident chunks at the start of `keys`."""
+        n = 0
+        for key in keys:
+            if key not in self._resident:
+                break
+            n += 1
+        if touch:
+            for key in keys[:n]:
+                self._resident.move_to_end(key)
+        return n
+
+    # -- pins ----------------------------------------------------------------------------
+    def pin(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            if key not in self._resident:
+                raise KeyError(f"cannot pin chunk {key.hex()[:16]}: not resident")
+            self._pins[key] += 1
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            if self._pins[key] <= 1:
+                self._pins.pop(key, None)
+            else:
+                self._pins[key] -= 1
+
+    def is_pinned(self, key: bytes) -> bool:
+        return self._pins.get(key, 0) > 0
+
+    # -- stores --------------------------------------------------------------------------
+    def plan_store(self, keys: Sequence[bytes]) -> StoreReservation:
+        """Reserve one slot per new key, evicting unpinned LRU chunks as needed.
+
+        Keys already resident or pending are not reserved again. Keys for which nothing can
+        be evicted (everything pinned or pending) are declined, never forced.
+        """
+        slots: dict[bytes, int] = {}
+        evicted: list[bytes] = []
+        declined: list[bytes] = []
+        for key in keys:
+            if key in self._resident or key in self._pending or key in slots:
+                continue
+            if not self._free:
+                victim = next((k for k in self._resident if not self.is_pinned(k)), None)
+                if victim is None:
+                    declined.append(key)
+                    continue
+                self._free.append(self._resident.pop(victim))
+                evicted.append(victim)
+                self.evictions += 1
+            slot = self._free.pop()
+            self._pending[key] = slot
+            slots[key] = slot
+        return StoreReservation(slots, evicted, declined)
+
+    def commit(self, key: bytes) -> bool:
+        """Make a pending store resident (most recently used). False if it was not pending."""
+        slot = self._pending.pop(key, None)
+        if slot is None:
+            return False
+        self._resident[key] = slot
+        return True
+
+    def abort(self, key: bytes) -> bool:
+        """Drop a pending store and free its slot. False if it was not pending."""
+        slot = self._pending.pop(key, None)
+        if slot is None:
+            return False
+        self._free.append(slot)
+        return True
+
+    def drop(self, key: bytes) -> bool:
+        """Remove a resident chunk (found corrupt, say) and free its slot."""
+        if key in self._resident and not self.is_pinned(key):
+            self._free.append(self._resident.pop(key))
+            return True
+        return False
+
+    # -- start-up ------------------------------------------------------------------------
+    def rebuild(self, entries: Mapping[int, bytes]) -> None:
+        """Load resident chunks from the store's journal (slot -> key), in slot order."""
+        if self._resident or self._pending:
+            raise RuntimeError("rebuild() needs an empty index")
+        taken = set()
+        for slot, key in sorted(entries.items()):
+            if 0 <= slot < self.num_slots and key not in self._resident:
+                self._resident[key] = slot
+                taken.add(slot)
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
+
+    def check_invariants(self) -> None:
+        """Every slot is in exactly one of free, resident or pending (used by tests)."""
+        seen = list(self._free) + list(self._resident.values()) + list(self._pending.values())
+        assert sorted(seen) == list(range(self.num_slots)), "slot accounting broken"

@@ -1,0 +1,82 @@
+"""Plain data passed from the planner (scheduler process) to the workers and back.
+
+Everything here is picklable: vLLM ships the step plan to worker processes inside the
+connector metadata, and ships worker reports back inside the connector output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LoadChunk:
+    """Read chunk `key` from `slot` and scatter it into `block_ids` (manager blocks).
+
+    `skip_blocks` leading blocks of the chunk are already computed locally (vLLM's own prefix
+    cache): they are not written, so shared blocks are never touched.
+    """
+
+    req_id: str
+    key: bytes
+    slot: int
+    block_ids: tuple[int, ...]
+    skip_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class StoreChunk:
+    """Gather chunk `key` from `block_ids` and write it to `slot`; `ticket` names this store."""
+
+    req_id: str
+    key: bytes
+    slot: int
+    block_ids: tuple[int, ...]
+    ticket: int
+
+
+@dataclass
+class StepPlan:
+    step: int
+    loads: list[LoadChunk] = field(default_factory=list)
+    stores: list[StoreChunk] = field(default_factory=list)
+    # Requests that have stores in flight: the worker reports them in get_finished once done.
+    preempted: list[str] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.stores or self.preempted)
+
+
+@dataclass
+class WorkerReport:
+    """What one worker (or, aggregated, all workers) did since its last report."""
+
+    stored: list[int] = field(default_factory=list)  # tickets written durably
+    store_failed: list[int] = field(default_factory=list)  # tickets that failed or were skipped
+    load_failed: list[bytes] = field(default_factory=list)  # keys that failed to load (IO or checksum)
+    steps_done: list[int] = field(default_factory=list)  # plan steps whose loads have finished
+    workers: int = 1  # how many worker reports were merged into this one
+    # counters since the last report
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    stores_skipped: int = 0
+
+    def merge(self, other: "WorkerReport") -> "WorkerReport":
+        return WorkerReport(
+            stored=self.stored + other.stored,
+            store_failed=self.store_failed + other.store_failed,
+            load_failed=self.load_failed + other.load_failed,
+            steps_done=self.steps_done + other.steps_done,
+            workers=self.workers + other.workers,
+            bytes_loaded=self.bytes_loaded + other.bytes_loaded,
+            bytes_stored=self.bytes_stored + other.bytes_stored,
+            load_seconds=self.load_seconds + other.load_seconds,
+            store_seconds=self.store_seconds + other.store_seconds,
+            stores_skipped=self.stores_skipped + other.stores_skipped,
+        )
+
+    def is_empty(self) -> bool:
+        return not (self.stored or self.store_failed or self.load_failed or self.steps_done
+                    or self.bytes_loaded or self.bytes_stored or self.stores_skipped)

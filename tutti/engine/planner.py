@@ -1,0 +1,284 @@
+"""The planner: the scheduler-side half of the engine.
+
+It tracks each request's chunks, answers prefix lookups, decides what each step loads and
+stores (reserving slots in the index) and turns worker reports into commits, aborts and
+drops. It knows nothing of vLLM: the connector feeds it plain ids, tokens and block lists.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from tutti.engine.index import ChunkIndex
+from tutti.engine.keys import chunk_keys
+from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk, WorkerReport
+
+
+@dataclass
+class PlannerStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    stores_planned: int = 0
+    stores_committed: int = 0
+    stores_failed: int = 0
+    stores_declined: int = 0
+    loads_failed: int = 0
+    evictions: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    stores_skipped: int = 0
+
+    def snapshot_and_reset(self) -> "PlannerStats":
+        out = PlannerStats(**vars(self))
+        for k in vars(self):
+            setattr(self, k, type(getattr(self, k))())
+        return out
+
+
+@dataclass
+class _Request:
+    req_id: str
+    tokens: list[int]
+    keys: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    local_computed: int = 0  # tokens vLLM's own prefix cache had, at the last lookup
+    hit_chunks: int = 0  # chunks found stored at the last lookup
+    loads: list[LoadChunk] = field(default_factory=list)  # not yet sent to workers
+    next_store_chunk: int = 0  # chunks below this were stored, skipped or loaded
+    had_stores: bool = False
+    finished: bool = False
+
+
+@dataclass
+class _Ticket:
+    key: bytes
+    req_id: str
+    ok: int = 0  # workers that reported success
+
+
+class Planner:
+    def __init__(self, *, num_slots: int, chunk_tokens: int, block_size: int, seed: bytes,
+                 num_workers: int = 1, slot_bytes: int = 0, store_decode: bool = False) -> None:
+        if chunk_tokens % block_size:
+            raise ValueError(
+                f"chunk_tokens={chunk_tokens}: must be a multiple of vLLM's block_size={block_size}; "
+                f"try {max(1, round(chunk_tokens / block_size)) * block_size}"
+            )
+        self.index = ChunkIndex(num_slots)
+        self.chunk_tokens = chunk_tokens
+        self.block_size = block_size
+        self.blocks_per_chunk = chunk_tokens // block_size
+        self.seed = seed
+        self.num_workers = num_workers
+        self.slot_bytes = slot_bytes
+        self.store_decode = store_decode
+        self.stats = PlannerStats()
+        self._reqs: dict[str, _Request] = {}
+        self._tickets: dict[int, _Ticket] = {}
+        self._ticket_ids = itertools.count(1)
+        self._steps = itertools.count(1)
+        self._step_pins: dict[int, list[bytes]] = {}
+        self._step_done_count: dict[int, int] = {}
+        self._events: list[tuple[str, list[bytes]]] = []  # ("stored"|"removed", keys)
+        self._preempted: list[str] = []
+        self._bad: set[bytes] = set()  # keys that failed to load, dropped once unpinned
+
+    # -- lookups --------------------------------------------------------------------------
+    def _request(self, req_id: str, tokens: Sequence[int]) -> _Request:
+        r = self._reqs.get(req_id)
+        if r is None:
+            r = _Request(req_id, list(tokens), chunk_keys(tokens, self.chunk_tokens, self.seed))
+            self._reqs[req_id] = r
+        return r
+
+    def match(self, req_id: str, tokens: Sequence[int], num_computed_tokens: int) -> int:
+        """Tokens beyond `num_computed_tokens` that can be loaded: whole chunks, and always
+        at least one prompt token left for vLLM to compute."""
+        r = self._request(req_id, tokens)
+        usable = (len(tokens) - 1) // self.chunk_tokens
+        hits = self.index.lookup_prefix(r.keys[:usable])
+        r.local_computed = num_computed_tokens
+        r.hit_chunks = hits
+        self.stats.queried_tokens += len(tokens)
+        hit_tokens = hits * self.chunk_tokens
+        if hit_tokens <= num_computed_tokens:
+            r.hit_chunks = 0
+            return 0
+        self.stats.hit_tokens += hit_tokens - num_computed_tokens
+        return hit_tokens - num_computed_tokens
+
+    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Blocks were allocated for the request; plan the loads of its external tokens."""
+        r = self._reqs.get(req_id)
+        if r is None:
+            return
+        r.block_ids = list(block_ids)
+        if num_external_tokens <= 0 or r.hit_chunks == 0:
+            return
+        first = r.local_computed // self.chunk_tokens
+        last = (r.local_computed + num_external_tokens) // self.chunk_tokens
+        bpc = self.blocks_per_chunk
+        for c in range(first, last):
+            key = r.keys[c]
+            slot = self.index.slot_of(key)
+            if slot is None:  # cannot happen between match and alloc; fail loudly if it does
+                raise RuntimeError(f"chunk {c} of request {req_id} vanished between lookup and allocation")
+            skip = max(0, r.local_computed - c * self.chunk_tokens) // self.block_size
+            r.loads.append(LoadChunk(req_id, key, slot, tuple(r.block_ids[c * bpc:(c + 1) * bpc]), skip))
+            self.index.pin([key])
+        r.next_store_chunk = max(r.next_store_chunk, last)
+
+    # -- per step -------------------------------------------------------------------------
+    def update_request(self, req_id: str, *, new_block_ids: Sequence[int] = (), tokens: Sequence[int] | None = None,
+                       all_block_ids: Sequence[int] | None = None) -> None:
+        """Record blocks (and, for a request first seen here, tokens) from the scheduler's output."""
+        r = self._reqs.get(req_id)
+        if r is None:
+            if tokens is None:
+                return
+            r = self._request(req_id, tokens)
+        if all_block_ids is not None:
+            r.block_ids = list(all_block_ids)
+        else:
+            r.block_ids.extend(new_block_ids)
+
+    def append_tokens(self, req_id: str, tokens: Sequence[int]) -> None:
+        """Generated tokens (stored only with store_decode)."""
+        r = self._reqs.get(req_id)
+        if r is None or not self.store_decode:
+            return
+        r.tokens.extend(tokens)
+        n_have = len(r.keys)
+        parent = r.keys[-1] if r.keys else None
+        r.keys.extend(chunk_keys(r.tokens, self.chunk_tokens, self.seed, start=n_have, parent=parent))
+
+    def build_step(self, scheduled: Mapping[str, int], computed_before: Mapping[str, int]) -> StepPlan:
+        """The loads and stores of one step. `scheduled[req]` tokens are computed this step on
+        top of `computed_before[req]`."""
+        plan = StepPlan(step=next(self._steps))
+        pins: list[bytes] = []
+        want: list[tuple[_Request, int]] = []
+        for req_id, n_sched in scheduled.items():
+            r = self._reqs.get(req_id)
+            if r is None:
+                continue
+            if r.loads:
+                plan.loads.extend(r.loads)
+                pins.extend(ld.key for ld in r.loads)
+                r.loads = []
+            done_tokens = computed_before.get(req_id, 0) + n_sched
+            limit = min(done_tokens, len(r.tokens)) // self.chunk_tokens
+            limit = min(limit, len(r.keys), len(r.block_ids) // self.blocks_per_chunk)
+            for c in range(r.next_store_chunk, limit):
+                want.append((r, c))
+            r.next_store_chunk = max(r.next_store_chunk, limit)
+        if want:
+            keys = [r.keys[c] for r, c in want]
+            fresh = [k for k in keys if k not in self.index and not self.index.is_pending(k)]
+            for k in keys:
+                if k in self.index:
+                    self.index.lookup_prefix([k])  # touch: recently used again
+            res = self.index.plan_store(fresh)
+            if res.evicted:
+                self.stats.evictions += len(res.evicted)
+                self._events.append(("removed", list(res.evicted)))
+            self.stats.stores_declined += len(res.declined)
+            bpc = self.blocks_per_chunk
+            for r, c in want:
+                key = r.keys[c]
+                slot = res.slots.pop(key, None)
+                if slot is None:
+                    continue
+                ticket = next(self._ticket_ids)
+                self._tickets[ticket] = _Ticket(key, r.req_id)
+                plan.stores.append(StoreChunk(r.req_id, key, slot, tuple(r.block_ids[c * bpc:(c + 1) * bpc]), ticket))
+                r.had_stores = True
+                self.stats.stores_planned += 1
+        if pins:
+            self._step_pins[plan.step] = pins
+        plan.preempted, self._preempted = self._preempted, []
+        return plan
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def preempted(self, req_id: str) -> None:
+        """vLLM preempted the request: its blocks are freed; rescheduling starts it over."""
+        r = self._reqs.pop(req_id, None)
+        if r is not None:
+            for ld in r.loads:
+                self.index.unpin([ld.key])
+            self._preempted.append(req_id)
+
+    def finished(self, req_id: str) -> bool:
+        """The request is done. True: keep its blocks until the workers report its stores done."""
+        r = self._reqs.pop(req_id, None)
+        if r is None:
+            return False
+        for ld in r.loads:  # planned but never sent (aborted before its step)
+            self.index.unpin([ld.key])
+        return r.had_stores
+
+    # -- reports --------------------------------------------------------------------------
+    def on_report(self, report: WorkerReport) -> None:
+        s = self.stats
+        s.bytes_loaded += report.bytes_loaded
+        s.bytes_stored += report.bytes_stored
+        s.load_seconds += report.load_seconds
+        s.store_seconds += report.store_seconds
+        s.stores_skipped += report.stores_skipped
+        for t in report.store_failed:
+            tk = self._tickets.pop(t, None)
+            if tk is not None and self.index.abort(tk.key):
+                s.stores_failed += 1
+        for t in report.stored:
+            tk = self._tickets.get(t)
+            if tk is None:
+                continue
+            tk.ok += 1
+            if tk.ok >= self.num_workers:
+                del self._tickets[t]
+                if self.index.commit(tk.key):
+                    s.stores_committed += 1
+                    self._events.append(("stored", [tk.key]))
+        for key in set(report.load_failed):
+            s.loads_failed += 1
+            # A chunk that failed to load is not trusted again: drop it once unpinned.
+            self._bad.add(key)
+        for step in report.steps_done:
+            n = self._step_done_count.get(step, 0) + 1
+            if n >= self.num_workers:
+                self._step_done_count.pop(step, None)
+                self.index.unpin(self._step_pins.pop(step, []))
+            else:
+                self._step_done_count[step] = n
+        for key in list(self._bad):
+            if not self.index.is_pinned(key):
+                self._bad.discard(key)
+                if self.index.drop(key):
+                    self._events.append(("removed", [key]))
+
+
+    def take_events(self) -> list[tuple[str, list[bytes]]]:
+        ev, self._events = self._events, []
+        return ev
+
+    def rebuild(self, entries: Mapping[int, bytes]) -> None:
+        self.index.rebuild(entries)
+
+    def stats_snapshot(self) -> PlannerStats:
+        return self.stats.snapshot_and_reset()
+
+    def capacity_used_bytes(self) -> int:
+        return self.index.used_slots * self.slot_bytes
+
+
+def rebuild_entries(per_rank: Iterable[Mapping[int, bytes]]) -> dict[int, bytes]:
+    """Slots whose chunk every rank holds (same key in the same slot): those are resident."""
+    per_rank = list(per_rank)
+    if not per_rank:
+        return {}
+    first, rest = per_rank[0], per_rank[1:]
+    return {slot: key for slot, key in first.items() if all(other.get(slot) == key for other in rest)}

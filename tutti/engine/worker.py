@@ -1,0 +1,532 @@
+"""The layer-wise pipeline: the worker-side half of the engine.
+
+Loads roll through the layers: reads for the first `lookahead` layers go out when the step
+starts, and each layer's hook moves the window one layer on, so storage traffic hides behind
+compute and the host never queues every layer up front. Stores gather a layer right after it
+is computed and hand the bytes to a writer thread: the forward pass never waits on the disk,
+and when the staging ring is full a store is skipped and counted, never waited for.
+
+On CUDA, scatters and gathers run on side streams ordered by events; on the CPU the same code
+runs with synchronous kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue as _queue
+import threading
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from tutti.engine.config import EngineConfig
+from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk, WorkerReport
+from tutti.engine.staging import StagingRing, StagingSlot
+from tutti.io.queue import READ, WRITE, IOFuture, IOQueue, IORequest, submit_all
+
+log = logging.getLogger("tutti.engine")
+
+
+def nvtx_range(name: str):
+    """An NVTX range (domain 'tutti') around a pipeline stage where CUDA is present."""
+    if torch.cuda.is_available():
+        return torch.cuda.nvtx.range(f"tutti:{name}")
+    return nullcontext()
+
+
+@dataclass
+class _LoadItem:
+    layer: int
+    chunks: list[LoadChunk]
+    slot: StagingSlot | None = None
+    futures: list[IOFuture] = field(default_factory=list)
+
+
+@dataclass
+class _StoreJob:
+    """One layer of a group of chunks, gathered into a staging slot, waiting to be written."""
+
+    layer: int
+    chunks: list[StoreChunk]
+    slot: StagingSlot
+    checksums: list[int] | torch.Tensor
+    ready: object = None  # CUDA event: the device-to-host copy finished
+    free_slots: list[int] | None = None  # journal these slots as free before writing (first layer)
+
+
+@dataclass
+class _Ticket:
+    chunk: StoreChunk
+    checksums: list[int | None]
+    written: int = 0
+    failed: bool = False
+
+
+class WorkerPipeline:
+    """Moves bytes between the store's slots and the paged KV cache, one layer at a time."""
+
+    def __init__(self, cfg: EngineConfig, *, caches: Sequence[torch.Tensor], layout, store, io_queue: IOQueue,
+                 kernel, checksum: Callable[[torch.Tensor], torch.Tensor], segment_bytes: int,
+                 chunk_tokens: int, kernel_blocks_per_block: int = 1, staging: torch.Tensor | None = None) -> None:
+        self.cfg = cfg
+        self.caches = list(caches)
+        self.num_layers = len(self.caches)
+        self.layout = layout
+        self.store = store
+        self.queue = io_queue
+        self.kernel = kernel
+        self.checksum = checksum
+        self.seg = segment_bytes
+        self.chunk_tokens = chunk_tokens
+        self.kbpb = kernel_blocks_per_block
+        self.device = self.caches[0].device
+        self.cuda = self.device.type == "cuda"
+        slot_bytes = cfg.staging_slot_bytes
+        if segment_bytes > slot_bytes:
+            raise ValueError(
+                f"staging_bytes={cfg.staging_bytes}: a staging slot ({slot_bytes} B = staging_bytes / "
+                f"staging_slots) is smaller than one segment ({segment_bytes} B); raise staging_bytes to at "
+                f"least {segment_bytes * cfg.staging_slots} or lower chunk_tokens"
+            )
+        self.per_slot = slot_bytes // segment_bytes
+        if staging is None:
+            from tutti.io.buffers import aligned_buffer
+
+            staging = aligned_buffer(slot_bytes * cfg.staging_slots)
+        self.ring = StagingRing(staging, slot_bytes, self.device)
+        io_queue.register_buffers([staging])
+        self.load_slots_max = cfg.staging_slots - cfg.max_inflight_stores
+        self._load_slots_used = 0
+        self._store_slots_used = 0
+        self._slot_lock = threading.Lock()
+        if self.cuda:
+            self.load_stream = torch.cuda.Stream(self.device)
+            self.store_stream = torch.cuda.Stream(self.device)
+        # Replayed journal: slot -> (key, per-layer checksums); updated by our own puts.
+        self._entries: dict[int, tuple[bytes, tuple[int, ...]]] = {
+            s: (e.key, tuple(e.checksums)) for s, e in store.entries().items()
+        }
+        self._entries_lock = threading.Lock()
+        # step state
+        self._plan: StepPlan | None = None
+        self._items: list[_LoadItem] = []
+        self._next_submit = 0
+        self._next_process = 0
+        self._failed_keys: set[bytes] = set()
+        self._failed_blocks: set[int] = set()
+        self._layer_events: dict[int, object] = {}
+        self._store_active: list[StoreChunk] = []
+        self._store_events: list[object] = []
+        # request tracking for get_finished
+        self._req_inflight: dict[str, int] = defaultdict(int)
+        self._req_had_stores: set[str] = set()
+        self._req_finished: set[str] = set()
+        # report
+        self._report = WorkerReport()
+        self._report_lock = threading.Lock()
+        self._tickets: dict[int, _Ticket] = {}
+        self._tk_lock = threading.RLock()  # tickets and per-request counts: main and writer threads
+        self._gathered = 0  # layers gathered for the active stores this step
+        self._free_pending: list[int] = []
+        # writer thread
+        self._jobs: _queue.Queue[_StoreJob | None] = _queue.Queue()
+        self._writer = threading.Thread(target=self._writer_loop, name="tutti-writer", daemon=True)
+        self._writer.start()
+        self._closed = False
+
+    # ================================================================ step lifecycle
+    def start_step(self, plan: StepPlan) -> None:
+        """Bind a step's plan: queue its loads (layer-major) and submit the first layers' reads."""
+        self._plan = plan
+        self._failed_blocks = set()
+        self._layer_events = {}
+        self._items = []
+        self._next_submit = self._next_process = 0
+        loads = []
+        for ld in plan.loads:
+            with self._entries_lock:
+                entry = self._entries.get(ld.slot)
+            if entry is None or entry[0] != ld.key:
+                self._fail_load(ld, "not in this worker's store")
+            else:
+                loads.append(ld)
+        if loads:
+            for layer in range(self.num_layers):
+                for i in range(0, len(loads), self.per_slot):
+                    self._items.append(_LoadItem(layer, loads[i:i + self.per_slot]))
+            self._load_t0 = time.perf_counter()
+            self._pump(self.cfg.lookahead - 1)
+        self._store_active = self._begin_stores(plan.stores)
+
+    def wait_layer(self, layer: int) -> None:
+        """Before layer `layer` computes: its KV is in the cache (or its blocks marked failed)."""
+        if not self._items:
+            return
+        with nvtx_range(f"load.L{layer}"):
+            while self._next_process < len(self._items) and self._items[self._next_process].layer <= layer:
+                self._pump(self._items[self._next_process].layer)
+                self._process(self._items[self._next_process])
+                self._next_process += 1
+            self._pump(layer + self.cfg.lookahead)
+            ev = self._layer_events.pop(layer, None)
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def save_layer(self, layer: int) -> None:
+        """After layer `layer` computed: gather its stores, and move the read window on."""
+        if self._items:
+            self._pump(layer + self.cfg.lookahead)
+        if self._store_active:
+            with nvtx_range(f"gather.L{layer}"):
+                self._gather_layer(layer)
+
+    def end_step(self) -> None:
+        """Every load of the step finished; gathers read the cache before it can change."""
+        if self._items:
+            self.wait_layer(self.num_layers - 1)
+            with self._report_lock:
+                self._report.load_seconds += time.perf_counter() - self._load_t0
+        if self._plan is not None:
+            with self._report_lock:
+                self._report.steps_done.append(self._plan.step)
+        if self._store_active and self._gathered < self.num_layers:
+            # Some layers' hooks never ran this step: those chunks cannot be complete.
+            self._fail_tickets(self._store_active, f"only {self._gathered} of {self.num_layers} layers gathered")
+            if self._free_pending:
+                self._free_pending = []
+        if self.cuda and self._store_events:
+            cur = torch.cuda.current_stream(self.device)
+            for ev in self._store_events:
+                cur.wait_event(ev)
+        self._store_events = []
+        self._items = []
+        self._plan = None
+        self._store_active = []
+
+    # ================================================================ loads
+    def _pump(self, max_layer: int) -> None:
+        """Submit reads for queued items up to `max_layer` while load slots are free."""
+        while self._next_submit < len(self._items):
+            item = self._items[self._next_submit]
+            if item.layer > max_layer:
+                return
+            with self._slot_lock:
+                if self._load_slots_used >= self.load_slots_max:
+                    return
+                slot = self.ring.try_acquire()
+                if slot is None:
+                    return
+                self._load_slots_used += 1
+            item.slot = slot
+            reqs = []
+            for i, ld in enumerate(item.chunks):
+                if ld.key in self._failed_keys:
+                    continue
+                fd, off = self.store.location(ld.slot, item.layer)
+                reqs.append(IORequest(fd, off, self.ring.buffer, slot.offset + i * self.seg, self.seg, READ, tag=i))
+            with nvtx_range(f"read.L{item.layer}"):
+                item.futures = submit_all(self.queue, reqs)
+            self._next_submit += 1
+
+    def _process(self, item: _LoadItem) -> None:
+        slot = item.slot
+        assert slot is not None
+        good: list[tuple[int, LoadChunk]] = []
+        errors = {}
+        for fut in item.futures:
+            i = fut.request.tag
+            try:
+                fut.result()
+            except OSError as exc:
+                errors[i] = exc
+        for i, ld in enumerate(item.chunks):
+            if ld.key in self._failed_keys:
+                continue
+            if i in errors:
+                self._fail_load(ld, f"read of layer {item.layer} failed: {errors[i]}")
+            else:
+                good.append((i, ld))
+        n = len(item.chunks)
+        host = slot.host[: n * self.seg].view(n, self.seg)
+        src = host
+        ev = None
+        if good and self.cuda:
+            with torch.cuda.stream(self.load_stream):
+                slot.device[: n * self.seg].copy_(slot.host[: n * self.seg], non_blocking=True)
+                src = slot.device[: n * self.seg].view(n, self.seg)
+        if good and self.cfg.verify_checksums:
+            idx = torch.tensor([i for i, _ in good], device=src.device)
+            with (torch.cuda.stream(self.load_stream) if self.cuda else nullcontext()):
+                sums = self.checksum(src.index_select(0, idx)).tolist()  # syncs the load stream on CUDA
+            still = []
+            for (i, ld), got in zip(good, sums):
+                with self._entries_lock:
+                    entry = self._entries.get(ld.slot)
+                want = entry[1][item.layer] if entry and entry[0] == ld.key else None
+                if want is None or int(got) != int(want):
+                    self._fail_load(ld, f"checksum mismatch in layer {item.layer} (stored {want}, read {int(got)})")
+                else:
+                    still.append((i, ld))
+            good = still
+        if good:
+            with (torch.cuda.stream(self.load_stream) if self.cuda else nullcontext()), nvtx_range(f"scatter.L{item.layer}"):
+                full = [(i, ld) for i, ld in good if ld.skip_blocks == 0]
+                if full:
+                    rows = torch.tensor([i for i, _ in full], device=src.device)
+                    ids = torch.tensor([ld.block_ids for _, ld in full], dtype=torch.int64, device=src.device)
+                    seg_view = src if len(full) == n else src.index_select(0, rows)
+                    self.kernel.scatter([self.caches[item.layer]], self.layout, ids, seg_view.unsqueeze(0),
+                                        kernel_blocks_per_block=self.kbpb)
+                for i, ld in good:
+                    if ld.skip_blocks:
+                        self._scatter_partial(item.layer, src[i], ld)
+            with self._report_lock:
+                self._report.bytes_loaded += len(good) * self.seg
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record(self.load_stream)
+                self._layer_events[item.layer] = ev
+        self.ring.release(slot, ev)
+        with self._slot_lock:
+            self._load_slots_used -= 1
+
+    def _scatter_partial(self, layer: int, seg: torch.Tensor, ld: LoadChunk) -> None:
+        """Scatter only the blocks after `skip_blocks` (the rest is vLLM's own prefix cache)."""
+        bpc = len(ld.block_ids)
+        tok_bytes = self.seg_token_bytes
+        t0 = ld.skip_blocks * (self.chunk_tokens // bpc)
+        n_tok = self.chunk_tokens - t0
+        need = -(-(n_tok * tok_bytes) // 4096) * 4096
+        part = torch.zeros(need, dtype=torch.uint8, device=seg.device)
+        part[: n_tok * tok_bytes].copy_(seg[t0 * tok_bytes: self.chunk_tokens * tok_bytes])
+        ids = torch.tensor([ld.block_ids[ld.skip_blocks:]], dtype=torch.int64, device=seg.device)
+        self.kernel.scatter([self.caches[layer]], self.layout, ids, part.view(1, 1, need),
+                            kernel_blocks_per_block=self.kbpb)
+
+    @property
+    def seg_token_bytes(self) -> int:
+        return self.layout.num_heads * self.layout.content_bytes
+
+    def _fail_load(self, ld: LoadChunk, why: str) -> None:
+        if ld.key not in self._failed_keys:
+            log.warning("tutti: load of chunk %s for request %s failed: %s; vLLM recomputes it",
+                        ld.key.hex()[:16], ld.req_id, why)
+            self._failed_keys.add(ld.key)
+            with self._report_lock:
+                self._report.load_failed.append(ld.key)
+        self._failed_blocks.update(ld.block_ids[ld.skip_blocks:])
+
+    def take_failed_blocks(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        self._failed_keys = set()
+        return out
+
+    # ================================================================ stores
+    def _begin_stores(self, stores: list[StoreChunk]) -> list[StoreChunk]:
+        if not stores:
+            return []
+        groups = -(-len(stores) // self.per_slot)
+        with self._slot_lock:
+            ok = self._store_slots_used + groups <= self.cfg.max_inflight_stores and self.ring.free_count >= groups
+        if not ok:
+            self._skip(stores, "staging ring full")
+            return []
+        with self._entries_lock:
+            for st in stores:
+                self._entries.pop(st.slot, None)  # its old contents are gone from now on
+        with self._tk_lock:
+            for st in stores:
+                self._tickets[st.ticket] = _Ticket(st, [None] * self.num_layers)
+                self._req_inflight[st.req_id] += 1
+                self._req_had_stores.add(st.req_id)
+        self._gathered = 0
+        self._free_pending = [st.slot for st in stores]
+        self._store_t0 = time.perf_counter()
+        return stores
+
+    def _skip(self, stores: Sequence[StoreChunk], why: str) -> None:
+        log.debug("tutti: skipping %d stores: %s", len(stores), why)
+        with self._report_lock:
+            self._report.stores_skipped += len(stores)
+            self._report.store_failed.extend(st.ticket for st in stores)
+
+    def _gather_layer(self, layer: int) -> None:
+        stores = self._store_active
+        jobs = []
+        for i in range(0, len(stores), self.per_slot):
+            group = stores[i:i + self.per_slot]
+            with self._slot_lock:
+                slot = self.ring.try_acquire() if self._store_slots_used < self.cfg.max_inflight_stores else None
+                if slot is not None:
+                    self._store_slots_used += 1
+            if slot is None:  # ran out mid-step: these chunks cannot complete
+                self._fail_tickets(stores[i:], "staging ring full")
+                self._store_active = stores[:i]
+                break
+            jobs.append((group, slot))
+        for group, slot in jobs:
+            n = len(group)
+            ids = torch.tensor([st.block_ids for st in group], dtype=torch.int64, device=self.device)
+            ready = None
+            if self.cuda:
+                compute_done = torch.cuda.Event()
+                compute_done.record(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.store_stream):
+                    self.store_stream.wait_event(compute_done)
+                    dev = slot.device[: n * self.seg].view(1, n, self.seg)
+                    self.kernel.gather([self.caches[layer]], self.layout, ids, dev, kernel_blocks_per_block=self.kbpb)
+                    sums = self.checksum(dev[0])
+                    gathered = torch.cuda.Event()
+                    gathered.record(self.store_stream)
+                    self._store_events.append(gathered)
+                    slot.host[: n * self.seg].copy_(slot.device[: n * self.seg], non_blocking=True)
+                    sums_host = sums.to("cpu", non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record(self.store_stream)
+                checks: list[int] | torch.Tensor = sums_host
+            else:
+                out = slot.host[: n * self.seg].view(1, n, self.seg)
+                self.kernel.gather([self.caches[layer]], self.layout, ids, out, kernel_blocks_per_block=self.kbpb)
+                checks = self.checksum(out[0]).tolist()
+            free = None
+            if self._free_pending:
+                free, self._free_pending = self._free_pending, []
+            self._jobs.put(_StoreJob(layer, group, slot, checks, ready, free))
+        self._gathered += 1
+
+    def _fail_tickets(self, stores: Sequence[StoreChunk], why: str) -> None:
+        with self._tk_lock:
+            failed = []
+            for st in stores:
+                tk = self._tickets.get(st.ticket)
+                if tk is not None and not tk.failed:
+                    tk.failed = True
+                    failed.append(st)
+            if failed:
+                self._skip(failed, why)
+                for st in failed:
+                    self._ticket_done(st)
+
+    def _ticket_done(self, st: StoreChunk) -> None:
+        with self._tk_lock:
+            if self._tickets.pop(st.ticket, None) is not None:
+                self._req_inflight[st.req_id] -= 1
+
+    # ---------------------------------------------------------------- writer thread
+    def _writer_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._write_job(job)
+            except Exception:  # noqa: BLE001 - a writer must never die silently
+                log.exception("tutti: store job failed")
+                self._fail_tickets(job.chunks, "writer error")
+            finally:
+                self.ring.release(job.slot)
+                with self._slot_lock:
+                    self._store_slots_used -= 1
+
+    def _write_job(self, job: _StoreJob) -> None:
+        if job.ready is not None:
+            job.ready.synchronize()  # releases the GIL while the copy finishes
+        sums = job.checksums.tolist() if isinstance(job.checksums, torch.Tensor) else job.checksums
+        if job.free_slots:
+            self.store.record_free(job.free_slots)
+            self.store.sync_journal()
+        with self._tk_lock:
+            live = [(i, st) for i, st in enumerate(job.chunks) if not self._tickets.get(st.ticket, _DEAD).failed]
+        reqs = []
+        for i, st in live:
+            fd, off = self.store.location(st.slot, job.layer)
+            reqs.append(IORequest(fd, off, self.ring.buffer, job.slot.offset + i * self.seg, self.seg, WRITE, tag=i))
+        futures = submit_all(self.queue, reqs)
+        errors: dict[int, BaseException] = {}
+        for fut in futures:
+            try:
+                fut.result()
+            except OSError as exc:
+                errors[fut.request.tag] = exc
+        done: list[_Ticket] = []
+        for i, st in live:
+            tk = self._tickets.get(st.ticket)
+            if tk is None or tk.failed:
+                continue
+            if i in errors:
+                log.warning("tutti: store of chunk %s failed: %s", st.key.hex()[:16], errors[i])
+                self._fail_tickets([st], f"write failed: {errors[i]}")
+                continue
+            tk.checksums[job.layer] = int(sums[i])
+            tk.written += 1
+            with self._report_lock:
+                self._report.bytes_stored += self.seg
+            if tk.written == self.num_layers:
+                done.append(tk)
+        if done:
+            try:
+                self.store.sync_data([tk.chunk.slot for tk in done])
+                for tk in done:
+                    self.store.record_put(tk.chunk.key, tk.chunk.slot, tk.checksums)
+                self.store.sync_journal()
+            except OSError as exc:
+                log.warning("tutti: making %d chunks durable failed: %s", len(done), exc)
+                self._fail_tickets([tk.chunk for tk in done], f"sync failed: {exc}")
+                return
+            with self._entries_lock:
+                for tk in done:
+                    self._entries[tk.chunk.slot] = (tk.chunk.key, tuple(tk.checksums))
+            with self._report_lock:
+                self._report.stored.extend(tk.chunk.ticket for tk in done)
+                self._report.store_seconds += time.perf_counter() - self._store_t0
+            for tk in done:
+                self._ticket_done(tk.chunk)
+
+    # ================================================================ reporting
+    def take_report(self) -> WorkerReport:
+        with self._report_lock:
+            rep, self._report = self._report, WorkerReport()
+        return rep
+
+    def finished_requests(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose stores are all done, among those vLLM says have finished."""
+        with self._tk_lock:
+            self._req_finished |= {r for r in finished_req_ids if r in self._req_had_stores}
+            out = {r for r in self._req_finished if self._req_inflight.get(r, 0) <= 0}
+            for r in out:
+                self._req_finished.discard(r)
+                self._req_had_stores.discard(r)
+                self._req_inflight.pop(r, None)
+        return out
+
+    def preempt(self, req_ids: Sequence[str]) -> None:
+        """The blocks of these requests are about to be reused: gathers from them must be done."""
+        if self.cuda:
+            self.store_stream.synchronize()
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until the writer thread has finished every queued store (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while (not self._jobs.empty() or self._tickets or self._store_slots_used) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+        self._jobs.put(None)
+        self._writer.join(timeout=30)
+        self.queue.close()
+        self.store.close()
+
+
+class _DeadTicket:
+    failed = True
+
+
+_DEAD = _DeadTicket()
