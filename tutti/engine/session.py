@@ -1,0 +1,142 @@
+"""Builds the engine's two halves from a config and a geometry: the planner (scheduler
+process) and the worker pipeline (each worker). The connector calls these and nothing else."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from tutti.engine.config import EngineConfig
+from tutti.engine.keys import namespace_seed
+from tutti.engine.planner import Planner, rebuild_entries
+from tutti.engine.worker import WorkerPipeline
+
+log = logging.getLogger("tutti.engine")
+
+
+def round_up(n: int, to: int = 4096) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a chunk is, for one rank: everything that goes into the namespace fingerprint."""
+
+    model: str
+    cache_dtype: str
+    chunk_tokens: int
+    block_size: int  # the scheduler's (manager) block size
+    num_layers: int
+    num_heads: int  # H: KV head slots on this rank (1 for MLA)
+    content_bytes: int  # C: bytes per (head, token)
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def segment_bytes(self) -> int:
+        return round_up(self.chunk_tokens * self.num_heads * self.content_bytes)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.num_layers * self.segment_bytes
+
+    @property
+    def num_workers(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def for_rank(self, tp_rank: int, pp_rank: int = 0) -> "Geometry":
+        return Geometry(**{**vars(self), "tp_rank": tp_rank, "pp_rank": pp_rank})
+
+    def fingerprint(self):
+        from tutti.io.fingerprint import Fingerprint
+        from tutti.kernels import FORMAT_VERSION
+
+        return Fingerprint(
+            model=self.model, cache_dtype=self.cache_dtype, format_version=FORMAT_VERSION,
+            chunk_tokens=self.chunk_tokens, num_layers=self.num_layers, num_heads=self.num_heads,
+            content_bytes=self.content_bytes, segment_bytes=self.segment_bytes,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+        )
+
+    def seed(self) -> bytes:
+        """Key seed: shared by all ranks (a chunk's key does not depend on the rank)."""
+        from tutti.kernels import FORMAT_VERSION
+
+        return namespace_seed(self.model, self.cache_dtype, FORMAT_VERSION, self.chunk_tokens,
+                              self.num_layers * self.pp_size, self.tp_size, self.pp_size)
+
+
+def check_capacity(cfg: EngineConfig, geom: Geometry) -> int:
+    num_slots = cfg.capacity_bytes // geom.slot_bytes
+    if num_slots < 1:
+        raise ValueError(
+            f"kv_connector_extra_config.capacity_bytes={cfg.capacity_bytes}: smaller than one chunk "
+            f"({geom.slot_bytes} B = {geom.num_layers} layers x {geom.segment_bytes} B segments); "
+            f"expected at least {geom.slot_bytes}"
+        )
+    return num_slots
+
+
+def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
+    """The scheduler's half: the index rebuilt from every rank's journal."""
+    from tutti.io.store import ChunkStore
+
+    cfg = EngineConfig.from_dict(raw_config, rank=0)
+    num_slots = check_capacity(cfg, geom)
+    planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
+                      seed=geom.seed(), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
+                      store_decode=cfg.store_decode)
+    per_rank = []
+    for pp in range(geom.pp_size):
+        for tp in range(geom.tp_size):
+            rank = pp * geom.tp_size + tp
+            rcfg = EngineConfig.from_dict(raw_config, rank=rank)
+            try:
+                store = ChunkStore(list(rcfg.roots), geom.for_rank(tp, pp).fingerprint(),
+                                   capacity_bytes=cfg.capacity_bytes, writer=False,
+                                   slots_per_slab=cfg.slots_per_slab)
+            except FileNotFoundError:
+                per_rank.append({})
+                continue
+            try:
+                per_rank.append({slot: e.key for slot, e in store.entries().items()})
+            finally:
+                store.close()
+    planner.rebuild(rebuild_entries(per_rank))
+    return planner
+
+
+def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Sequence[torch.Tensor], layout,
+                 kernel_blocks_per_block: int = 1, rank: int = 0) -> WorkerPipeline:
+    """One worker's half: its store (writer), IO queue, kernels and staging ring."""
+    from tutti.io.queue import open_queue
+    from tutti.io.store import ChunkStore
+    from tutti.kernels import get_variant, segment_checksum
+
+    cfg = EngineConfig.from_dict(raw_config, rank=rank)
+    check_capacity(cfg, geom)
+    if layout.num_heads != geom.num_heads or layout.content_bytes != geom.content_bytes:
+        raise ValueError(
+            f"KV cache layout: found H={layout.num_heads}, C={layout.content_bytes} B per (head, token) in the "
+            f"tensors vLLM registered, but the model config says H={geom.num_heads}, C={geom.content_bytes}"
+        )
+    variant = cfg.kernel_variant
+    if variant == "auto":
+        variant = "triton" if caches[0].is_cuda else "torch"
+    kernel = get_variant(variant)
+    q = open_queue(cfg.io_backend)
+    store = ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
+                       slots_per_slab=cfg.slots_per_slab, open_file=lambda p, w: q.open_file(p, write=w, create=w))
+    try:
+        return WorkerPipeline(cfg, caches=caches, layout=layout, store=store, io_queue=q, kernel=kernel,
+                              checksum=segment_checksum, segment_bytes=geom.segment_bytes,
+                              chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block)
+    except Exception:
+        store.close()
+        q.close()
+        raise
