@@ -1,0 +1,103 @@
+from tutti.engine.keys import namespace_seed
+from tutti.engine.plan import WorkerReport
+from tutti.engine.planner import Planner, rebuild_entries
+
+T, BS = 64, 32  # chunk tokens, vLLM block size: 2 blocks a chunk
+
+
+def planner(num_slots=16, workers=1):
+    return Planner(num_slots=num_slots, chunk_tokens=T, block_size=BS, seed=namespace_seed("t"),
+                   num_workers=workers, slot_bytes=4096)
+
+
+def run_prefill(p, req, tokens, blocks, computed=0):
+    p.match(req, tokens, computed)
+    p.on_alloc(req, blocks, 0)
+    p.update_request(req, tokens=tokens, all_block_ids=blocks)
+    return p.build_step({req: len(tokens) - computed}, {req: computed})
+
+
+def test_store_only_full_chunks_then_commit_on_every_worker():
+    p = planner(workers=2)
+    toks = list(range(200))  # 3 full chunks + 8 tokens
+    plan = run_prefill(p, "a", toks, list(range(10, 17)))
+    assert [s.block_ids for s in plan.stores] == [(10, 11), (12, 13), (14, 15)]
+    tickets = [s.ticket for s in plan.stores]
+    p.on_report(WorkerReport(stored=tickets))  # one worker of two
+    assert p.match("b", toks, 0) == 0
+    p.on_report(WorkerReport(stored=tickets))  # the second
+    assert p.match("c", toks, 0) == 3 * T  # 3 chunks, still 8 tokens left to compute
+    assert p.stats.stores_committed == 3
+
+
+def test_hit_leaves_at_least_one_token_and_is_chunk_aligned():
+    p = planner()
+    toks = list(range(128))  # exactly 2 chunks
+    plan = run_prefill(p, "a", toks, [1, 2, 3, 4])
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    assert p.match("b", toks, 0) == T  # the last chunk would leave nothing to compute
+    assert p.match("c", toks + [5], 0) == 2 * T
+    assert p.match("d", toks + [5], 96) == 32  # local prefix cache already has 96 tokens
+    assert p.match("e", toks + [5], 128) == 0
+
+
+def test_loads_skip_locally_cached_blocks_and_pin():
+    p = planner(num_slots=2)
+    toks = list(range(129))
+    plan = run_prefill(p, "a", toks, [1, 2, 3, 4, 5])
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    n = p.match("b", toks, 32)
+    assert n == 96
+    p.on_alloc("b", [1, 7, 8, 9, 6], n)
+    plan = p.build_step({"b": 1}, {"b": 128})
+    assert [(ld.block_ids, ld.skip_blocks) for ld in plan.loads] == [((1, 7), 1), ((8, 9), 0)]
+    assert not plan.stores  # loaded chunks are not stored again
+    # pinned: a new chunk cannot evict them while the load is in flight
+    other = list(range(1000, 1129))
+    plan2 = run_prefill(p, "c", other, [20, 21, 22, 23, 24])
+    assert not plan2.stores and p.stats.stores_declined == 2
+    p.on_report(WorkerReport(steps_done=[plan.step]))
+    plan3 = p.build_step({"c": 1}, {"c": 128})  # chunks already passed: not re-planned
+    assert not plan3.stores
+
+
+def test_failed_store_aborts_and_failed_load_drops_chunk():
+    p = planner()
+    toks = list(range(129))
+    plan = run_prefill(p, "a", toks, [1, 2, 3, 4, 5])
+    p.on_report(WorkerReport(stored=[plan.stores[0].ticket], store_failed=[plan.stores[1].ticket]))
+    assert p.match("b", toks, 0) == T
+    p.on_alloc("b", [1, 2, 3, 4, 5], T)
+    lp = p.build_step({"b": 65}, {"b": 64})
+    p.on_report(WorkerReport(load_failed=[lp.loads[0].key]))  # pinned until the step is done
+    assert p.index.slot_of(lp.loads[0].key) is not None
+    p.on_report(WorkerReport(steps_done=[lp.step]))
+    assert p.match("c", toks, 0) == 0
+
+
+def test_finished_keeps_blocks_only_when_stores_were_planned():
+    p = planner()
+    run_prefill(p, "a", list(range(100)), [1, 2, 3, 4])
+    assert p.finished("a") is True
+    run_prefill(p, "b", list(range(500, 530)), [5])
+    assert p.finished("b") is False
+    assert p.finished("unknown") is False
+
+
+def test_chunked_prefill_stores_each_chunk_once_when_complete():
+    p = planner()
+    toks = list(range(300))
+    p.match("a", toks, 0)
+    p.on_alloc("a", list(range(10)), 0)
+    p.update_request("a", tokens=toks, all_block_ids=list(range(10)))
+    s1 = p.build_step({"a": 100}, {"a": 0})
+    s2 = p.build_step({"a": 100}, {"a": 100})
+    s3 = p.build_step({"a": 100}, {"a": 200})
+    assert [len(s.stores) for s in (s1, s2, s3)] == [1, 2, 1]
+    assert len({st.key for s in (s1, s2, s3) for st in s.stores}) == 4
+
+
+def test_rebuild_needs_every_rank():
+    a, b = b"a" * 32, b"b" * 32
+    assert rebuild_entries([{0: a, 1: b}, {0: a, 1: a}]) == {0: a}
+    assert rebuild_entries([]) == {}
