@@ -251,6 +251,7 @@ class UringQueue(IOQueue):
         self._fixed_starts: list[int] = []
         self._fixed: list[tuple[int, int, int]] = []  # (start, end, buf_index), sorted by start
         self._fixed_owners: list[torch.Tensor] = []
+        self._ops = {"fixed": 0, "plain": 0, "vectored": 0}  # SQEs issued per kind (caps().extra)
         self._reaper = threading.Thread(target=self._reap_loop, name=f"tutti-uring-reaper-{fd}", daemon=True)
         self._reaper.start()
 
@@ -324,6 +325,7 @@ class UringQueue(IOQueue):
                 "buffered_fds": sorted(fd for fd, d in self._direct.items() if not d),
                 "device_max_sectors_bytes": devs,
                 "fixed_buffers": len(self._fixed),
+                "ops": dict(self._ops),
             },
         )
 
@@ -464,15 +466,18 @@ class UringQueue(IOQueue):
             sqe.addr = addr
             sqe.len = req.length
             sqe.buf_index = buf_index
+            self._ops["fixed"] += 1
         elif self._use_rw:
             sqe.opcode = IORING_OP_READ if is_read else IORING_OP_WRITE
             sqe.addr = addr
             sqe.len = req.length
+            self._ops["plain"] += 1
         else:
             keep = _IOVec(addr, req.length)
             sqe.opcode = IORING_OP_READV if is_read else IORING_OP_WRITEV
             sqe.addr = ctypes.addressof(keep)
             sqe.len = 1
+            self._ops["vectored"] += 1
         sqe.fd = req.fd
         sqe.off = req.offset
         sqe.user_data = uid
