@@ -275,6 +275,8 @@ def open_queue(backend: str = "auto", **kwargs) -> IOQueue:
             import warnings
 
             warnings.warn(f"tutti: io_uring refused ({exc}); falling back to the threads backend", stacklevel=2)
+            # Options only io_uring understands are named uring_*; the fallback drops them.
+            kwargs = {k: v for k, v in kwargs.items() if not k.startswith("uring_")}
             return _BACKENDS["threads"](**kwargs)
     if backend not in _BACKENDS:
         raise ValueError(

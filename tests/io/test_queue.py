@@ -1,0 +1,238 @@
+"""The queue contract, checked on every backend against real files in a tmp dir."""
+
+import errno
+import os
+import warnings
+
+import pytest
+import torch
+
+from tutti.io.buffers import aligned_buffer
+from tutti.io.queue import (
+    IOErrorWithRequest,
+    IORequest,
+    available_backends,
+    open_queue,
+    submit_all,
+    wait_all,
+)
+from tutti.io.threads import ThreadQueue
+from tutti.io.uring import UringQueue
+
+BACKENDS = ["uring", "threads"]
+KiB = 1024
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def _random(nbytes: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    buf = aligned_buffer(nbytes)
+    buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g))
+    return buf
+
+
+def _segments(fd, buf, seg, op, file_base=0, buf_base=0, count=None):
+    count = count if count is not None else (buf.numel() - buf_base) // seg
+    return [IORequest(fd, file_base + i * seg, buf, buf_base + i * seg, seg, op, tag=i) for i in range(count)]
+
+
+def test_both_backends_are_registered():
+    assert {"uring", "threads"} <= set(available_backends())
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["fixed", "unregistered"])
+@pytest.mark.parametrize("seg", [4 * KiB, 64 * KiB, 1024 * KiB])
+def test_write_then_read_round_trip_is_byte_exact(tmp_path, backend, registered, seg):
+    nbytes = 2 * 1024 * KiB
+    src = _random(nbytes, seed=seg)
+    dst = aligned_buffer(nbytes)
+    with open_queue(backend, queue_depth=16) as q:
+        if registered:
+            q.register_buffers([src, dst])
+        fd = q.open_file(tmp_path / "data", write=True, create=True)
+        try:
+            futs = submit_all(q, _segments(fd, src, seg, "write"))
+            assert wait_all(futs) == [seg] * (nbytes // seg)
+            assert [f.request.tag for f in futs] == list(range(nbytes // seg))
+            # Read back in a different order and into a shifted layout to catch offset mix-ups.
+            reqs = _segments(fd, dst, seg, "read")[::-1]
+            assert wait_all(submit_all(q, reqs)) == [seg] * len(reqs)
+        finally:
+            os.close(fd)
+        if backend == "uring":
+            ops = q.caps().extra["ops"]
+            assert (ops["fixed"] > 0) == registered and (ops["plain"] > 0) == (not registered)
+    assert torch.equal(src, dst)
+    with open(tmp_path / "data", "rb") as f:
+        assert f.read() == bytes(src.numpy())
+
+
+def test_round_trip_at_buffer_and_file_offsets(tmp_path, backend):
+    src = _random(256 * KiB, seed=1)
+    dst = aligned_buffer(512 * KiB)
+    with open_queue(backend) as q:
+        fd = q.open_file(tmp_path / "f", write=True, create=True)
+        try:
+            w = IORequest(fd, 1024 * KiB, src, 64 * KiB, 128 * KiB, "write")
+            wait_all(submit_all(q, [w]))
+            r = IORequest(fd, 1024 * KiB, dst, 256 * KiB, 128 * KiB, "read")
+            wait_all(submit_all(q, [r]))
+        finally:
+            os.close(fd)
+    assert torch.equal(dst[256 * KiB : 384 * KiB], src[64 * KiB : 192 * KiB])
+    assert int(dst[: 256 * KiB].sum()) == 0 and int(dst[384 * KiB :].sum()) == 0
+    assert os.path.getsize(tmp_path / "f") == 1152 * KiB
+
+
+def test_partial_acceptance_then_submit_all_finishes_everything(tmp_path, backend):
+    seg, batch = 4 * KiB, 32
+    src = _random(seg * batch, seed=2)
+    dst = aligned_buffer(seg * batch)
+    with open_queue(backend, queue_depth=4) as q:
+        assert q.caps().max_in_flight == 4
+        fd = q.open_file(tmp_path / "f", write=True, create=True)
+        try:
+            reqs = _segments(fd, src, seg, "write")
+            first = q.submit(reqs)
+            assert 1 <= len(first) <= 4  # a prefix, not the whole batch
+            assert [f.request for f in first] == reqs[: len(first)]
+            rest = submit_all(q, reqs[len(first) :])
+            assert len(rest) == batch - len(first)
+            wait_all(first + rest)
+            wait_all(submit_all(q, _segments(fd, dst, seg, "read")))
+            q.drain()
+            assert q.submit([]) == []
+        finally:
+            os.close(fd)
+    assert torch.equal(src, dst)
+
+
+def test_misaligned_request_is_refused_before_any_io(tmp_path, backend):
+    path = tmp_path / "f"
+    path.write_bytes(b"\x11" * 8192)
+    buf = _random(64 * KiB, seed=3)
+    with open_queue(backend) as q:
+        fd = q.open_file(path, write=True)
+        try:
+            good = IORequest(fd, 0, buf, 0, 4096, "write")
+            for field, bad in [
+                ("offset", IORequest(fd, 100, buf, 0, 4096, "write")),
+                ("buf_offset", IORequest(fd, 4096, buf, 512, 4096, "write")),
+                ("length", IORequest(fd, 4096, buf, 0, 1000, "write")),
+                ("op", IORequest(fd, 4096, buf, 0, 4096, "append")),
+                ("buf_offset", IORequest(fd, 0, buf, 60 * KiB, 8 * KiB, "write")),
+                ("length", IORequest(fd, 0, buf, 0, 64 << 20, "write")),
+            ]:
+                with pytest.raises(ValueError, match=field):
+                    q.submit([good, bad])  # the good one must not be issued either
+            with pytest.raises(ValueError, match="uint8"):
+                q.submit([IORequest(fd, 0, torch.zeros(4096, dtype=torch.float32), 0, 4096, "write")])
+            q.drain()
+        finally:
+            os.close(fd)
+    assert path.read_bytes() == b"\x11" * 8192  # untouched
+
+
+def test_short_read_past_eof_is_an_error_naming_the_request(tmp_path, backend):
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(8192))
+    buf = aligned_buffer(64 * KiB)
+    with open_queue(backend) as q:
+        fd = q.open_file(path)
+        try:
+            straddling = IORequest(fd, 4096, buf, 0, 16 * KiB, "read", tag="straddle")
+            beyond = IORequest(fd, 1 << 20, buf, 16 * KiB, 4096, "read", tag="beyond")
+            ok = IORequest(fd, 0, buf, 32 * KiB, 8192, "read", tag="ok")
+            futs = submit_all(q, [straddling, beyond, ok])
+            for fut, req in zip(futs[:2], [straddling, beyond]):
+                err = fut.exception(timeout=10)
+                assert isinstance(err, IOErrorWithRequest)
+                assert err.request is req and err.errno == errno.EIO
+                assert "short read" in str(err) and str(req.offset) in str(err)
+            assert futs[2].result(timeout=10) == 8192
+            with pytest.raises(IOErrorWithRequest):
+                wait_all(futs)
+        finally:
+            os.close(fd)
+    assert bytes(buf[32 * KiB : 40 * KiB].numpy()) == path.read_bytes()
+
+
+def test_read_from_closed_fd_is_ebadf_naming_the_request(tmp_path, backend):
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(8192))
+    buf = aligned_buffer(8192)
+    with open_queue(backend) as q:
+        fd = q.open_file(path)
+        os.close(fd)
+        with pytest.raises(OSError):
+            os.fstat(fd)  # really closed, not reused
+        req = IORequest(fd, 0, buf, 0, 4096, "read")
+        (fut,) = q.submit([req])
+        err = fut.exception(timeout=10)
+        assert isinstance(err, IOErrorWithRequest) and err.errno == errno.EBADF and err.request is req
+        q.drain()
+        # The queue is still usable after a failed request.
+        fd = q.open_file(path)
+        try:
+            assert wait_all(q.submit([IORequest(fd, 0, buf, 0, 8192, "read")])) == [8192]
+        finally:
+            os.close(fd)
+
+
+def test_done_callbacks_and_poll(tmp_path, backend):
+    buf = _random(64 * KiB, seed=4)
+    seen = []
+    with open_queue(backend) as q:
+        fd = q.open_file(tmp_path / "f", write=True, create=True)
+        try:
+            futs = q.submit(_segments(fd, buf, 4096, "write"))
+            for f in futs:
+                f.add_done_callback(lambda f: seen.append(f.request.tag))
+            wait_all(futs)
+            q.drain()
+            assert q.poll(0.0) == len(futs)  # completions since the last poll
+            assert q.poll(0.0) == 0
+            late = []
+            futs[0].add_done_callback(late.append)  # already done: runs at once
+            assert late == [futs[0]]
+        finally:
+            os.close(fd)
+    assert sorted(seen) == list(range(16))
+
+
+def test_closed_queue_refuses_work(tmp_path, backend):
+    q = open_queue(backend)
+    q.close()
+    q.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        q.submit([IORequest(0, 0, aligned_buffer(4096), 0, 4096, "read")])
+
+
+def test_auto_is_uring_on_this_machine():
+    with open_queue("auto") as q:
+        assert isinstance(q, UringQueue) and q.caps().backend == "uring"
+
+
+def test_auto_falls_back_to_threads_with_one_warning():
+    # An io_uring_setup the kernel refuses (unknown setup flag -> EINVAL) stands in for a
+    # kernel without io_uring or with it disabled by seccomp/sysctl.
+    with pytest.raises(OSError):
+        UringQueue(uring_setup_flags=1 << 31)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q = open_queue("auto", queue_depth=8, uring_setup_flags=1 << 31)
+    try:
+        assert isinstance(q, ThreadQueue) and q.caps().max_in_flight == 8
+        msgs = [str(w.message) for w in caught]
+        assert len(msgs) == 1 and "io_uring refused" in msgs[0] and "threads" in msgs[0]
+    finally:
+        q.close()
+
+
+def test_unknown_backend_is_a_clear_value_error():
+    with pytest.raises(ValueError, match="io_backend='spdk'"):
+        open_queue("spdk")

@@ -1,0 +1,576 @@
+"""The on-disk chunk store: where each chunk's bytes live, and which of them are durable.
+
+A chunk is the KV of `chunk_tokens` tokens for all layers of one rank; layer L of a chunk is
+one segment of `segment_bytes` at `L * segment_bytes` inside the chunk's slot. Slots live in
+large slab files (not one file per chunk: file creation and deletion cost more than the IO of a
+small chunk), striped over the roots (one per drive): slot s lives under root s % len(roots).
+
+Each fingerprint gets its own namespace directory `<root>/tutti-<digest>/` with a manifest; a
+journal (in the first root) says which slot holds which chunk. The store moves no KV itself:
+the engine asks `location()` for (fd, offset) pairs and does the IO through its queue, then
+tells the store what became durable. The protocol that keeps a killed process from ever showing
+a torn chunk is:
+
+    record_free(slots); sync_journal()     # old contents invalid before they are overwritten
+    ... write the segments ...; sync_data(slots)
+    record_put(key, slot, checksums); sync_journal()   # visible only once the bytes are durable
+
+One writer per namespace (an flock on `<ns>/LOCK` in every root). Readers take no lock and
+never write: the scheduler replays the journal at start-up to learn what is stored.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from tutti.io.fingerprint import Fingerprint
+from tutti.io.journal import Entry, Journal, fsync_dir
+
+__all__ = [
+    "ChunkStore",
+    "Entry",
+    "ManifestMismatchError",
+    "NamespaceInfo",
+    "SlabInfo",
+    "StoreLockedError",
+    "StoreRootError",
+    "StoreStats",
+    "list_namespaces",
+    "namespace_dir",
+]
+
+STORE_FORMAT = "tutti-chunk-store"
+STORE_VERSION = 1
+NAMESPACE_PREFIX = "tutti-"
+MANIFEST = "manifest.json"
+LOCK = "LOCK"
+JOURNAL = "journal.bin"
+DEFAULT_SLOTS_PER_SLAB = 64
+_ZERO_BYTES = 1 << 20
+
+
+class StoreRootError(ValueError):
+    """A root directory that cannot hold a store (missing parent, not a directory, no access)."""
+
+
+class StoreLockedError(RuntimeError):
+    """Another writer (this process or another) holds the namespace."""
+
+
+class ManifestMismatchError(ValueError):
+    """A namespace directory whose manifest does not describe what we were asked to open."""
+
+
+@dataclass(frozen=True)
+class SlabInfo:
+    path: str
+    size_bytes: int  # file length
+    allocated_bytes: int  # blocks actually backed on disk
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """What `tutti inspect` shows about a store."""
+
+    digest: str
+    namespaces: tuple[str, ...]  # one namespace directory per root
+    slot_bytes: int
+    slots_used: int
+    slots_total: int
+    bytes_used: int
+    capacity_bytes: int  # slots_total * slot_bytes (the requested capacity rounded down)
+    slabs: tuple[SlabInfo, ...]
+    journal_path: str
+    journal_bytes: int
+    journal_live_bytes: int
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    path: str
+    digest: str
+    manifest: dict | None  # None when the manifest is missing or unreadable (see error)
+    error: str | None = None
+
+
+def namespace_dir(root: str, fingerprint: Fingerprint) -> str:
+    return os.path.join(root, NAMESPACE_PREFIX + fingerprint.digest())
+
+
+def list_namespaces(root: str) -> list[NamespaceInfo]:
+    """Every namespace under `root` with its manifest. Reads only."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        raise StoreRootError(f"store root {root!r} is not a directory; pass the directory given as the store's root")
+    out: list[NamespaceInfo] = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not name.startswith(NAMESPACE_PREFIX) or not os.path.isdir(path):
+            continue
+        digest = name[len(NAMESPACE_PREFIX):]
+        try:
+            out.append(NamespaceInfo(path, digest, _read_manifest(path)))
+        except (OSError, ValueError) as exc:
+            out.append(NamespaceInfo(path, digest, None, str(exc)))
+    return out
+
+
+class ChunkStore:
+    """Slots of `num_layers * segment_bytes` in slab files, plus the journal of what they hold."""
+
+    def __init__(
+        self,
+        roots: str | os.PathLike | Sequence[str | os.PathLike],
+        fingerprint: Fingerprint,
+        *,
+        capacity_bytes: int,
+        writer: bool,
+        slots_per_slab: int | None = None,
+        open_file: Callable[[str, bool], int] | None = None,
+        journal_compact_ratio: float = 4.0,
+        journal_compact_min_bytes: int = 1 << 20,
+    ) -> None:
+        # ---- argument checks, before any IO ----
+        if not isinstance(fingerprint, Fingerprint):
+            raise ValueError(f"fingerprint: expected a tutti.io.fingerprint.Fingerprint, got {type(fingerprint).__name__}")
+        if isinstance(roots, (str, os.PathLike)):
+            roots = [roots]
+        roots = [os.path.abspath(os.fspath(r)) for r in roots]
+        if not roots:
+            raise ValueError("roots=[]: expected one directory, or a list with one directory per drive")
+        if len({os.path.realpath(r) for r in roots}) != len(roots):
+            raise ValueError(f"roots={roots}: a directory appears twice; give each drive's directory once")
+        if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes={capacity_bytes!r}: expected a non-negative int byte count")
+        if slots_per_slab is not None and (not isinstance(slots_per_slab, int) or slots_per_slab < 1):
+            raise ValueError(f"slots_per_slab={slots_per_slab!r}: expected a positive int (default {DEFAULT_SLOTS_PER_SLAB})")
+        self.fingerprint = fingerprint
+        self.digest = fingerprint.digest()
+        self.roots: tuple[str, ...] = tuple(roots)
+        self.writer = bool(writer)
+        self.segment_bytes = fingerprint.segment_bytes
+        self.num_layers = fingerprint.num_layers
+        self.slot_bytes = self.num_layers * self.segment_bytes
+        self.num_slots = capacity_bytes // self.slot_bytes
+        if self.num_slots == 0:
+            raise ValueError(
+                f"capacity_bytes={capacity_bytes}: holds no slot; one chunk needs slot_bytes={self.slot_bytes} "
+                f"(num_layers={self.num_layers} x segment_bytes={self.segment_bytes}); pass at least {self.slot_bytes}"
+            )
+        self._open_file = open_file
+        self.namespaces = tuple(os.path.join(r, NAMESPACE_PREFIX + self.digest) for r in roots)
+        self._lock_fds: list[int] = []
+        self._slab_fds: dict[tuple[int, int], int] = {}
+        self._zeros: mmap.mmap | None = None
+        self._closed = False
+        self.journal: Journal | None = None
+        try:
+            present = [self._prepare_root(i) for i in range(len(roots))]
+            if self.writer:
+                for i in range(len(roots)):
+                    self._lock(i)
+            self.slots_per_slab = self._check_manifests(present, slots_per_slab)
+            journal_path = os.path.join(self.namespaces[0], JOURNAL)
+            self.journal = Journal(
+                journal_path,
+                writer=self.writer,
+                compact_ratio=journal_compact_ratio,
+                compact_min_bytes=journal_compact_min_bytes,
+            )
+            self._drop_out_of_range()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- opening ------------------------------------------------------------------------
+    def _prepare_root(self, i: int) -> bool:
+        """Check (and for a writer create) root i and its namespace dir. True if the namespace exists."""
+        root, ns = self.roots[i], self.namespaces[i]
+        parent = os.path.dirname(root)
+        if not os.path.exists(root):
+            if not os.path.isdir(parent):
+                raise StoreRootError(
+                    f"store root {root!r}: its parent directory {parent!r} does not exist; "
+                    "create it (e.g. mount the drive) or pass an existing directory"
+                )
+            if not self.writer:
+                return False  # nothing stored yet; a reader creates nothing
+            try:
+                os.mkdir(root, 0o755)
+                fsync_dir(parent)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise StoreRootError(f"store root {root!r}: cannot create it ({exc.strerror}); create it or fix permissions of {parent!r}") from exc
+        if not os.path.isdir(root):
+            raise StoreRootError(f"store root {root!r}: exists but is not a directory; remove that file or pass a directory")
+        need = os.R_OK | os.X_OK | (os.W_OK if self.writer else 0)
+        if not os.access(root, need):
+            mode = "read, write and search" if self.writer else "read and search"
+            raise StoreRootError(f"store root {root!r}: this process (uid {os.getuid()}) lacks {mode} permission; fix its permissions or pass another directory")
+        if os.path.exists(ns) and not os.path.isdir(ns):
+            raise StoreRootError(f"namespace {ns!r}: exists but is not a directory; remove that file")
+        if not os.path.isdir(ns):
+            if not self.writer:
+                return False
+            try:
+                os.mkdir(ns, 0o755)
+                fsync_dir(root)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise StoreRootError(f"store root {root!r}: cannot create namespace {ns!r} ({exc.strerror}); check free space and permissions") from exc
+        elif not os.access(ns, need):
+            raise StoreRootError(f"namespace {ns!r}: no access for uid {os.getuid()}; fix its permissions")
+        return True
+
+    def _lock(self, i: int) -> None:
+        path = os.path.join(self.namespaces[i], LOCK)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # no O_TRUNC: keep the holder's pid
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            same = " (this process)" if holder == str(os.getpid()) else ""
+            raise StoreLockedError(
+                f"store root {self.roots[i]!r}: namespace {self.namespaces[i]!r} already has a writer: "
+                f"lock file {path!r} is held by pid {holder}{same}; close that store, or open this one with writer=False"
+            ) from None
+        self._lock_fds.append(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    def _expected_manifest(self, i: int, slots_per_slab: int) -> dict[str, Any]:
+        return {
+            "format": STORE_FORMAT,
+            "store_version": STORE_VERSION,
+            "digest": self.digest,
+            "fingerprint": self.fingerprint.to_dict(),
+            "segment_bytes": self.segment_bytes,
+            "num_layers": self.num_layers,
+            "slot_bytes": self.slot_bytes,
+            "slots_per_slab": slots_per_slab,
+            "root_index": i,
+            "num_roots": len(self.roots),
+        }
+
+    def _check_manifests(self, present: list[bool], slots_per_slab: int | None) -> int:
+        manifests: list[dict | None] = []
+        for i, ns in enumerate(self.namespaces):
+            manifests.append(_read_manifest(ns) if present[i] and os.path.exists(os.path.join(ns, MANIFEST)) else None)
+        stored_sps = {m.get("slots_per_slab") for m in manifests if m is not None}
+        if len(stored_sps) > 1:
+            raise ManifestMismatchError(f"namespaces {self.namespaces}: manifests disagree on slots_per_slab ({sorted(map(str, stored_sps))}); they were not written by one store")
+        if stored_sps:
+            sps = stored_sps.pop()
+            if slots_per_slab is not None and slots_per_slab != sps:
+                raise ValueError(
+                    f"slots_per_slab={slots_per_slab}: the existing namespace {self.namespaces[0]!r} was created with "
+                    f"slots_per_slab={sps}; pass {sps} (or None) or use a fresh root"
+                )
+        else:
+            sps = DEFAULT_SLOTS_PER_SLAB if slots_per_slab is None else slots_per_slab
+        for i, m in enumerate(manifests):
+            expected = self._expected_manifest(i, sps)
+            if m is None:
+                if self.writer:
+                    _write_manifest(self.namespaces[i], expected)
+                continue
+            self._compare_manifest(i, m, expected)
+        return sps
+
+    def _compare_manifest(self, i: int, got: dict, expected: dict) -> None:
+        path = os.path.join(self.namespaces[i], MANIFEST)
+        if got.get("fingerprint") != expected["fingerprint"] or got.get("digest") != expected["digest"]:
+            theirs = got.get("fingerprint") if isinstance(got.get("fingerprint"), dict) else {}
+            ours = expected["fingerprint"]
+            diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+            raise ManifestMismatchError(
+                f"manifest {path!r} does not match the fingerprint being opened (digest {self.digest}); fields that "
+                f"differ: {diff or ['digest']}. The manifest was edited or two fingerprints collide on their digest: "
+                "its chunks cannot be trusted; move that namespace directory aside"
+            )
+        if got.get("root_index") != i or got.get("num_roots") != len(self.roots):
+            raise ManifestMismatchError(
+                f"manifest {path!r}: this root was stripe {got.get('root_index')} of {got.get('num_roots')} roots, but it "
+                f"is given as {i} of {len(self.roots)}; pass the same roots, in the same order, as when the store was created"
+            )
+        for key, value in expected.items():
+            if got.get(key) != value:
+                raise ManifestMismatchError(
+                    f"manifest {path!r}: {key}={got.get(key)!r}, expected {value!r}; the manifest was edited or written "
+                    "by another store version; move that namespace directory aside"
+                )
+
+    def _drop_out_of_range(self) -> None:
+        # capacity is not part of the namespace: a store reopened smaller forgets the slots it no longer has.
+        assert self.journal is not None
+        stale = sorted(s for s in self.journal.entries if s >= self.num_slots)
+        if not stale:
+            return
+        if self.writer:
+            self.journal.append_free(stale)
+            self.journal.sync()
+        else:
+            for s in stale:
+                self.journal.entries.pop(s, None)
+
+    # ---- geometry -----------------------------------------------------------------------
+    def _check_slot(self, slot: object, name: str = "slot") -> int:
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.num_slots:
+            raise ValueError(
+                f"{name}={slot!r}: expected an int in [0, {self.num_slots}) (num_slots = capacity_bytes // slot_bytes)"
+            )
+        return slot
+
+    def _place(self, slot: int) -> tuple[int, int, int]:
+        """slot -> (root index, slab index, byte offset of the slot in that slab)."""
+        nroots = len(self.roots)
+        local = slot // nroots
+        return slot % nroots, local // self.slots_per_slab, (local % self.slots_per_slab) * self.slot_bytes
+
+    def slab_path(self, slot: int) -> str:
+        r, slab, _ = self._place(self._check_slot(slot))
+        return os.path.join(self.namespaces[r], f"slab-{slab}.bin")
+
+    def location(self, slot: int, layer: int = 0) -> tuple[int, int]:
+        """(fd, byte offset) of layer `layer` of `slot`. A writer creates the slab file on first use."""
+        self._check_open()
+        self._check_slot(slot)
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer!r}: expected an int in [0, {self.num_layers}) (num_layers of the fingerprint)")
+        r, slab, off = self._place(slot)
+        return self._slab_fd(r, slab), off + layer * self.segment_bytes
+
+    def _slab_fd(self, r: int, slab: int) -> int:
+        fd = self._slab_fds.get((r, slab))
+        if fd is not None:
+            return fd
+        path = os.path.join(self.namespaces[r], f"slab-{slab}.bin")
+        if self.writer:
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+                fsync_dir(self.namespaces[r])  # the new name must survive a crash with the data under it
+            except FileExistsError:
+                pass
+        elif not os.path.exists(path):
+            raise OSError(errno.ENOENT, f"slab file {path!r} is missing (no chunk was ever stored there)", path)
+        if self._open_file is not None:
+            fd = self._open_file(path, self.writer)
+        else:
+            fd = os.open(path, (os.O_RDWR if self.writer else os.O_RDONLY) | os.O_CLOEXEC)
+        self._slab_fds[(r, slab)] = fd
+        return fd
+
+    def allocate(self, slots: Sequence[int]) -> None:
+        """Back every byte of these (free) slots with written blocks, growing slab files by writing zeros.
+
+        File IO does not need it (writes past the end grow the file), but a path that addresses
+        the drive through FIEMAP extents needs real ones: holes and fallocated (unwritten)
+        extents cannot be addressed. Call it before writing the slots, never on a live slot.
+        """
+        self._require_writer()
+        for s in slots:
+            self._check_slot(s, "slots[]")
+            assert self.journal is not None
+            if s in self.journal.entries:
+                raise ValueError(f"slots[]={s}: holds a chunk; record_free() it before allocate() would zero it")
+        for s in sorted(set(slots)):
+            fd, start = self.location(s)
+            end = start + self.slot_bytes
+            if os.fstat(fd).st_size >= end and not _has_hole(fd, start, end):
+                continue
+            if self._zeros is None:
+                self._zeros = mmap.mmap(-1, _ZERO_BYTES)  # page aligned: also fine for O_DIRECT fds
+            pos = start
+            while pos < end:
+                n = os.pwrite(fd, memoryview(self._zeros)[: min(_ZERO_BYTES, end - pos)], pos)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"zero-fill of slot {s} wrote {n} bytes")
+                pos += n
+
+    # ---- durability ---------------------------------------------------------------------
+    def record_free(self, slots: Sequence[int]) -> None:
+        """These slots' old contents stop being valid. Append (and sync) before overwriting them."""
+        self._require_writer()
+        slots = [self._check_slot(s, "slots[]") for s in slots]
+        assert self.journal is not None
+        self.journal.append_free(slots)
+
+    def record_put(self, key: bytes, slot: int, checksums: Sequence[int]) -> None:
+        """`slot` now holds chunk `key`. Append only after sync_data() made its bytes durable."""
+        self._require_writer()
+        self._check_slot(slot)
+        checksums = list(checksums)
+        if len(checksums) != self.num_layers:
+            raise ValueError(
+                f"checksums: {len(checksums)} values for slot {slot}; expected one per layer segment (num_layers={self.num_layers})"
+            )
+        assert self.journal is not None
+        self.journal.append_put(key, slot, checksums)
+
+    def sync_data(self, slots: Sequence[int] | None = None) -> None:
+        """fdatasync the slab files holding `slots` (all open slab files when None)."""
+        self._require_writer()
+        if slots is None:
+            fds = list(self._slab_fds.values())
+        else:
+            keys = {self._place(self._check_slot(s, "slots[]"))[:2] for s in slots}
+            fds = [self._slab_fds[k] for k in sorted(keys) if k in self._slab_fds]
+        for fd in fds:
+            os.fdatasync(fd)
+
+    def sync_journal(self) -> None:
+        """Write and fsync every record appended since the last call (one fsync for the batch)."""
+        self._require_writer()
+        assert self.journal is not None
+        self.journal.sync()
+
+    # ---- state --------------------------------------------------------------------------
+    def entries(self) -> dict[int, Entry]:
+        """slot -> Entry(key, checksums): the replayed state plus records appended since."""
+        self._check_open()
+        assert self.journal is not None
+        return dict(self.journal.entries)
+
+    def get(self, slot: int) -> Entry | None:
+        self._check_open()
+        assert self.journal is not None
+        return self.journal.entries.get(self._check_slot(slot))
+
+    def refresh(self) -> None:
+        """Reader only: replay the journal again to see what the writer has made durable since."""
+        self._check_open()
+        if self.writer:
+            raise RuntimeError("ChunkStore.refresh: a writer's state is always current")
+        assert self.journal is not None
+        self.journal.reload()
+        self._drop_out_of_range()
+
+    def stats(self) -> StoreStats:
+        self._check_open()
+        assert self.journal is not None
+        slabs: list[SlabInfo] = []
+        for ns in self.namespaces:
+            if not os.path.isdir(ns):
+                continue
+            for name in sorted(os.listdir(ns), key=_slab_sort_key):
+                if name.startswith("slab-") and name.endswith(".bin"):
+                    st = os.stat(os.path.join(ns, name))
+                    slabs.append(SlabInfo(os.path.join(ns, name), st.st_size, st.st_blocks * 512))
+        used = len(self.journal.entries)
+        return StoreStats(
+            digest=self.digest,
+            namespaces=self.namespaces,
+            slot_bytes=self.slot_bytes,
+            slots_used=used,
+            slots_total=self.num_slots,
+            bytes_used=used * self.slot_bytes,
+            capacity_bytes=self.num_slots * self.slot_bytes,
+            slabs=tuple(slabs),
+            journal_path=self.journal.path,
+            journal_bytes=self.journal.size_bytes,
+            journal_live_bytes=self.journal.live_bytes,
+        )
+
+    # ---- lifetime -----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"ChunkStore at {self.namespaces[0]!r} is closed")
+
+    def _require_writer(self) -> None:
+        self._check_open()
+        if not self.writer:
+            raise RuntimeError(
+                f"ChunkStore at {self.namespaces[0]!r} was opened with writer=False; only the writer records or syncs"
+            )
+
+    def close(self) -> None:
+        """Sync pending journal records, then release files and the lock. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.journal is not None and self.writer and self.journal.pending_records:
+                self.journal.sync()
+        finally:
+            if self.journal is not None:
+                self.journal.close()
+            for fd in self._slab_fds.values():
+                os.close(fd)
+            self._slab_fds.clear()
+            for fd in self._lock_fds:
+                os.close(fd)  # releases the flock
+            self._lock_fds.clear()
+            if self._zeros is not None:
+                self._zeros.close()
+                self._zeros = None
+
+    def __enter__(self) -> "ChunkStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                # Do not sync from a finalizer: drop pending records as a crash would.
+                if self.journal is not None:
+                    self.journal.close()
+                self._closed = True
+                for fd in list(self._slab_fds.values()) + self._lock_fds:
+                    os.close(fd)
+        except Exception:
+            pass
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _read_manifest(ns: str) -> dict:
+    path = os.path.join(ns, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestMismatchError(f"manifest {path!r} is not valid JSON ({exc}); it was edited or damaged: move {ns!r} aside") from exc
+    if not isinstance(data, dict) or data.get("format") != STORE_FORMAT:
+        raise ManifestMismatchError(f"manifest {path!r} is not a {STORE_FORMAT} manifest; move {ns!r} aside")
+    return data
+
+
+def _write_manifest(ns: str, manifest: dict) -> None:
+    # Atomic: a crash leaves either no manifest (created again on the next open) or a whole one.
+    path = os.path.join(ns, MANIFEST)
+    tmp = path + ".tmp"
+    data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    fsync_dir(ns)
+
+
+def _has_hole(fd: int, start: int, end: int) -> bool:
+    try:
+        return os.lseek(fd, start, os.SEEK_HOLE) < end
+    except OSError:
+        return True  # no SEEK_HOLE support: assume the worst and write the zeros
+
+
+def _slab_sort_key(name: str) -> tuple[int, str]:
+    digits = name[5:-4] if name.startswith("slab-") and name.endswith(".bin") else ""
+    return (int(digits) if digits.isdigit() else -1, name)

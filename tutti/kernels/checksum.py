@@ -1,0 +1,105 @@
+"""Per-segment checksum (docs/format.md): a position-weighted Fletcher-style sum of uint32 words.
+
+Computed on the GPU right after gather and checked after loads, so a torn or misplaced
+write of a stored segment is caught before its KV reaches the model. Position weighting
+catches swapped words that a plain sum would miss. Integer sums are exact, so the torch and
+Triton variants agree bit for bit on any device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _check(segments: torch.Tensor) -> torch.Tensor:
+    if not isinstance(segments, torch.Tensor):
+        raise ValueError(f"segments={type(segments).__name__}: expected a uint8 torch.Tensor (..., S)")
+    if segments.dtype != torch.uint8:
+        raise ValueError(f"segments.dtype={segments.dtype}: expected torch.uint8")
+    if segments.dim() < 1 or segments.shape[-1] % 4 != 0:
+        raise ValueError(f"segments.shape={tuple(segments.shape)}: expected (..., S) with S a multiple of 4")
+    seg = segments.reshape(-1, segments.shape[-1])
+    if seg.shape[1] and (seg.stride(1) != 1 or seg.data_ptr() % 4 or seg.stride(0) % 4):
+        seg = seg.contiguous()  # word access needs 4-byte aligned rows
+    return seg
+
+
+def _combine(s1: torch.Tensor, s2: torch.Tensor, shape) -> torch.Tensor:
+    # (s2 << 32) | s1 as a signed int64 bit pattern: int64 shifts wrap, which is exactly that.
+    return ((s2 & _MASK32) << 32 | (s1 & _MASK32)).reshape(shape)
+
+
+def segment_checksum_torch(segments: torch.Tensor, *, rows_per_step: int = 64) -> torch.Tensor:
+    """Torch definition; int64 products wrap mod 2^64, which keeps them exact mod 2^32."""
+    seg = _check(segments)
+    m, s = seg.shape
+    out_shape = segments.shape[:-1]
+    if m == 0:
+        return torch.zeros(out_shape, dtype=torch.int64, device=segments.device)
+    nw = s // 4
+    weights = torch.arange(1, nw + 1, dtype=torch.int64, device=seg.device)
+    s1 = torch.empty(m, dtype=torch.int64, device=seg.device)
+    s2 = torch.empty(m, dtype=torch.int64, device=seg.device)
+    for i in range(0, m, rows_per_step):  # bounded temporaries: 16 bytes per word
+        w = seg[i : i + rows_per_step].view(torch.int32).to(torch.int64) & _MASK32
+        s1[i : i + rows_per_step] = w.sum(-1)
+        s2[i : i + rows_per_step] = (w * weights).sum(-1)
+    return _combine(s1, s2, out_shape)
+
+
+@triton.jit
+def _checksum_kernel(seg_ptr, seg_stride, nwords, words_per_split, part_ptr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    nsplit = tl.num_programs(1)
+    lo = split * words_per_split
+    acc1 = tl.zeros([BLOCK], dtype=tl.int64)
+    acc2 = tl.zeros([BLOCK], dtype=tl.int64)
+    base = seg_ptr + row * seg_stride
+    mask32 = tl.full([], 0xFFFFFFFF, tl.int64)
+    for start in range(0, words_per_split, BLOCK):
+        i = lo + start + tl.arange(0, BLOCK).to(tl.int64)
+        mask = (i < nwords) & (i < lo + words_per_split)
+        w = tl.load(base + i, mask=mask, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        acc1 += w
+        acc2 = (acc2 + ((i + 1) & mask32) * w) & mask32
+    out = part_ptr + (row * nsplit + split) * 2
+    tl.store(out, tl.sum(acc1, axis=0) & mask32)
+    tl.store(out + 1, tl.sum(acc2, axis=0) & mask32)
+
+
+def segment_checksum_triton(segments: torch.Tensor, *, splits: int | None = None, block: int | None = None) -> torch.Tensor:
+    """Triton variant: (rows x splits) programs write partial sums, torch folds them."""
+    seg = _check(segments)
+    m, s = seg.shape
+    out_shape = segments.shape[:-1]
+    if m == 0:
+        return torch.zeros(out_shape, dtype=torch.int64, device=segments.device)
+    nw = s // 4
+    interp = seg.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if block is None:
+        block = min(triton.next_power_of_2(max(nw, 1)), 8192 if interp else 2048)
+    if splits is None:
+        # enough programs to fill a GPU even for few segments; one per row when interpreted
+        splits = 1 if interp else max(1, min(triton.cdiv(nw, 4 * block), triton.cdiv(1024, m)))
+    per = triton.cdiv(triton.cdiv(nw, splits), block) * block
+    splits = max(1, triton.cdiv(nw, per)) if nw else 1
+    per = max(per, block)
+    part = torch.empty((m, splits, 2), dtype=torch.int64, device=seg.device)
+    words = seg.view(torch.int32)
+    _checksum_kernel[(m, splits)](words, words.stride(0), nw, per, part, BLOCK=block)
+    sums = part.sum(1)  # int64 sums of values < 2^32: exact for < 2^31 splits
+    return _combine(sums[:, 0], sums[:, 1], out_shape)
+
+
+def segment_checksum(segments: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., S) with S % 4 == 0 -> int64 (...): Triton on CUDA, torch elsewhere."""
+    if isinstance(segments, torch.Tensor) and segments.device.type == "cuda":
+        return segment_checksum_triton(segments)
+    return segment_checksum_torch(segments)

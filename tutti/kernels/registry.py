@@ -1,0 +1,135 @@
+"""Named gather/scatter implementations, so a researcher can drop in a kernel by name.
+
+Register with one decorator (on a class with gather/scatter, or on a function returning a
+KernelVariant), or point at ``"package.module:attr"``; then check it with
+``tutti.kernels.check_variant`` and select it by name in the engine's config.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    name: str
+    gather: Callable
+    scatter: Callable
+    description: str = ""
+
+
+_REGISTRY: dict[str, KernelVariant] = {}
+
+
+def _first_device(caches) -> torch.device:
+    if isinstance(caches, torch.Tensor):
+        return caches.device
+    for c in caches:
+        if isinstance(c, torch.Tensor):
+            return c.device
+    return torch.device("cpu")
+
+
+def _auto_variant() -> KernelVariant:
+    """Triton on CUDA tensors; torch indexing on CPU, where the Triton interpreter is slow."""
+
+    def pick(caches) -> KernelVariant:
+        return get_variant("triton" if _first_device(caches).type == "cuda" else "torch")
+
+    def gather(caches, layout, block_ids, out, **kw):
+        return pick(caches).gather(caches, layout, block_ids, out, **kw)
+
+    def scatter(caches, layout, block_ids, src, **kw):
+        return pick(caches).scatter(caches, layout, block_ids, src, **kw)
+
+    return KernelVariant("auto", gather, scatter, "triton on CUDA tensors, torch on CPU")
+
+
+def _builtin(name: str) -> Optional[KernelVariant]:
+    if name == "torch":
+        from . import reference
+
+        return KernelVariant("torch", reference.gather, reference.scatter, "plain torch indexing (reference)")
+    if name == "triton":
+        from . import triton_kernels
+
+        return KernelVariant("triton", triton_kernels.gather, triton_kernels.scatter, "one Triton launch per wave, all layers")
+    if name == "auto":
+        return _auto_variant()
+    return None
+
+
+def _as_variant(obj: Any, name: str) -> KernelVariant:
+    """Turn a KernelVariant, a class/object with gather+scatter, or a factory into a KernelVariant."""
+    if isinstance(obj, KernelVariant):
+        return obj if obj.name == name else replace(obj, name=name)
+    if inspect.isclass(obj):
+        obj = obj()
+    elif callable(obj) and not (hasattr(obj, "gather") and hasattr(obj, "scatter")):
+        made = obj()
+        if not isinstance(made, KernelVariant):
+            raise ValueError(f"variant {name!r}: the factory {obj!r} returned {type(made).__name__}; expected a KernelVariant")
+        return made if made.name == name else replace(made, name=name)
+    g, s = getattr(obj, "gather", None), getattr(obj, "scatter", None)
+    if not callable(g) or not callable(s):
+        raise ValueError(f"variant {name!r}: {obj!r} has no callable gather and scatter; expected a KernelVariant, a class with gather/scatter, or a function returning a KernelVariant")
+    desc = getattr(obj, "description", "") or (inspect.getdoc(type(obj)) or "").split("\n")[0]
+    return KernelVariant(name, g, s, desc)
+
+
+def register_variant(name: str, *, gather: Optional[Callable] = None, scatter: Optional[Callable] = None, description: str = ""):
+    """Register ``gather``/``scatter`` under ``name``; without them, return a decorator.
+
+    ``@register_variant("mine")`` works on a class (instantiated without arguments, its
+    ``gather``/``scatter`` used) or on a function returning a KernelVariant; the decorated
+    object is returned unchanged.
+    """
+    if not isinstance(name, str) or not name or ":" in name or name in ("torch", "triton", "auto"):
+        raise ValueError(f"name={name!r}: expected a non-empty name without ':' other than the built-ins torch/triton/auto")
+    if gather is not None or scatter is not None:
+        if not callable(gather) or not callable(scatter):
+            raise ValueError(f"register_variant({name!r}): pass both gather and scatter callables, or use it as a decorator")
+        v = KernelVariant(name, gather, scatter, description)
+        _REGISTRY[name] = v
+        return v
+
+    def decorate(obj):
+        _REGISTRY[name] = _as_variant(obj, name)
+        return obj
+
+    return decorate
+
+
+def get_variant(name) -> KernelVariant:
+    """A KernelVariant by name: "torch", "triton", "auto", a registered name, or "pkg.module:attr"."""
+    if isinstance(name, KernelVariant):
+        return name
+    if not isinstance(name, str):
+        raise ValueError(f"variant={name!r}: expected a name (str) or a KernelVariant")
+    v = _builtin(name)
+    if v is not None:
+        return v
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" in name:
+        mod_name, _, attr = name.partition(":")
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise ValueError(f"variant={name!r}: cannot import module {mod_name!r} ({e})") from e
+        obj = mod
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise ValueError(f"variant={name!r}: module {mod_name!r} has no attribute {attr!r}")
+            obj = getattr(obj, part)
+        return _as_variant(obj, name)
+    raise ValueError(f"variant={name!r}: unknown; expected one of {available_variants()} or 'package.module:attr'")
+
+
+def available_variants() -> list[str]:
+    return ["auto", "torch", "triton", *sorted(_REGISTRY)]

@@ -1,0 +1,204 @@
+"""Triton gather/scatter between a paged KV cache and canonical segments.
+
+One launch moves every chunk of a wave and every layer: work item = (layer, chunk, kernel
+block), programs loop over items persistent-style (``max_programs`` caps the grid, e.g. to
+leave SMs to the model). Each item is one contiguous run of ``block_size*H*C`` bytes in the
+segment and ``block_size*H*P`` strided pieces in the cache. Bytes move as the widest word
+that divides every address, stride and size, so any dtype (fp8, inline scales, int8 views)
+moves exactly, and all index math is int64 so caches past 2 GiB work.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import CopyPlan, check_args, word_bytes
+from .layout import PagedLayout
+
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@triton.jit
+def _paged_copy_kernel(
+    cache_ptr,  # word pointer: storage start of caches[0]
+    layer_off_ptr,  # int64 [L]: word offset of each layer's base from cache_ptr (may be < 0)
+    ids_ptr,  # int32/int64 [N, M] manager block ids
+    ids_sn,
+    ids_sm,
+    seg_ptr,  # word pointer: segments [L, N, S]
+    seg_sl,  # words
+    seg_sn,  # words
+    num_items,  # L * N * KB
+    num_chunks,  # N
+    kb_per_chunk,  # KB = M * K
+    pad_words,  # words of zero padding after each segment's data (gather only)
+    stride_block,  # words
+    stride_token,
+    stride_head,
+    stride_piece,
+    K: tl.constexpr,  # kernel blocks per manager block
+    BS: tl.constexpr,  # tokens per kernel block
+    H: tl.constexpr,
+    P: tl.constexpr,
+    WW: tl.constexpr,  # words per piece
+    VEC: tl.constexpr,  # words known contiguous and aligned together (vectorization hint)
+    GATHER: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    E: tl.constexpr = BS * H * P * WW  # words of one kernel block of one layer
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for item in range(pid, num_items, nprog):
+        it = tl.full([], 0, tl.int64) + item
+        j = it % kb_per_chunk
+        r = it // kb_per_chunk
+        n = r % num_chunks
+        l = r // num_chunks
+        m = tl.load(ids_ptr + n * ids_sn + (j // K) * ids_sm).to(tl.int64)
+        cbase = tl.load(layer_off_ptr + l) + (m * K + j % K) * stride_block
+        sbase = l * seg_sl + n * seg_sn + j * E
+        for start in range(0, E, BLOCK):
+            e = start + tl.arange(0, BLOCK)
+            mask = e < E
+            w = e % WW
+            q = e // WW
+            p = q % P
+            q = q // P
+            h = q % H
+            t = q // H
+            coff = cbase + t.to(tl.int64) * stride_token + h.to(tl.int64) * stride_head + p.to(tl.int64) * stride_piece + w
+            soff = sbase + e
+            coff = tl.max_contiguous(tl.multiple_of(coff, VEC), VEC)
+            soff = tl.max_contiguous(tl.multiple_of(soff, VEC), VEC)
+            if GATHER:
+                tl.store(seg_ptr + soff, tl.load(cache_ptr + coff, mask=mask), mask=mask)
+            else:
+                tl.store(cache_ptr + coff, tl.load(seg_ptr + soff, mask=mask), mask=mask)
+        if GATHER:
+            if j == kb_per_chunk - 1:
+                pbase = sbase + E
+                for s in range(0, pad_words, BLOCK):
+                    o = s + tl.arange(0, BLOCK)
+                    zero = tl.zeros([BLOCK], dtype=seg_ptr.dtype.element_ty)
+                    tl.store(seg_ptr + pbase + o, zero, mask=o < pad_words)
+
+
+_offset_cache: dict = {}
+
+
+def _layer_offsets(addrs: Sequence[int], base: int, ws: int, device: torch.device) -> torch.Tensor:
+    """Per-layer word offsets, cached: vLLM's cache tensors stay put for the whole run."""
+    key = (device, base, ws, tuple(addrs))
+    t = _offset_cache.get(key)
+    if t is None:
+        if len(_offset_cache) > 64:
+            _offset_cache.clear()
+        t = torch.tensor([(a - base) // ws for a in addrs], dtype=torch.int64, device=device)
+        _offset_cache[key] = t
+    return t
+
+
+def _interpreted(device: torch.device) -> bool:
+    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _launch(
+    caches: Sequence[torch.Tensor],
+    layout: PagedLayout,
+    block_ids: torch.Tensor,
+    seg: torch.Tensor,
+    k: int,
+    gather_dir: bool,
+    max_programs: Optional[int],
+    block: Optional[int],
+) -> None:
+    plan: CopyPlan = check_args(caches, layout, block_ids, seg, k, "out" if gather_dir else "src")
+    if max_programs is not None and (not isinstance(max_programs, int) or max_programs < 1):
+        raise ValueError(f"max_programs={max_programs!r}: expected None or a positive int")
+    if plan.num_chunks == 0:
+        return
+    if isinstance(caches, torch.Tensor):
+        caches = [caches]
+    storage = caches[0].untyped_storage()
+    base = storage.data_ptr()
+    sg = plan.seg
+    S = sg.shape[2]
+    strides = (layout.stride_block, layout.stride_token, layout.stride_head, layout.stride_piece)
+    values = [layout.piece_bytes, S, sg.data_ptr(), sg.stride(0), sg.stride(1), base, *strides, *plan.layer_addrs]
+    ws = word_bytes(values)
+    wdt = _WORD_DTYPES[ws]
+    cache_w = torch.empty(0, dtype=wdt, device=plan.device).set_(storage, 0, (storage.nbytes() // ws,), (1,))
+    seg_w = sg.view(wdt) if ws > 1 else sg
+    offsets = _layer_offsets(plan.layer_addrs, base, ws, plan.device)
+    words = [v // ws for v in values]
+    vec = 1
+    for v in (2, 4):  # 16 bytes at most per vector access
+        if v * ws <= 16 and all(x % v == 0 for x in words):
+            vec = v
+    ww = layout.piece_bytes // ws
+    E = layout.block_size * layout.num_heads * layout.num_pieces * ww
+    items = plan.num_layers * plan.num_chunks * plan.kernel_blocks_per_chunk
+    interp = _interpreted(plan.device)
+    if block is None:
+        block = min(triton.next_power_of_2(E), 4096 if interp else 1024)
+    grid = items if max_programs is None else min(items, max_programs)
+    _paged_copy_kernel[(grid,)](
+        cache_w,
+        offsets,
+        block_ids,
+        block_ids.stride(0),
+        block_ids.stride(1),
+        seg_w,
+        seg_w.stride(0),
+        seg_w.stride(1),
+        items,
+        plan.num_chunks,
+        plan.kernel_blocks_per_chunk,
+        (S - plan.data_bytes) // ws,
+        layout.stride_block // ws,
+        layout.stride_token // ws,
+        layout.stride_head // ws,
+        layout.stride_piece // ws,
+        K=k,
+        BS=layout.block_size,
+        H=layout.num_heads,
+        P=layout.num_pieces,
+        WW=ww,
+        VEC=vec,
+        GATHER=gather_dir,
+        BLOCK=block,
+        num_warps=4,
+    )
+
+
+def gather(
+    caches: Sequence[torch.Tensor],
+    layout: PagedLayout,
+    block_ids: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    kernel_blocks_per_block: int = 1,
+    max_programs: Optional[int] = None,
+    block: Optional[int] = None,
+) -> None:
+    """Copy the blocks of each chunk of every layer into ``out[l, n]`` (padding zeroed), one launch."""
+    _launch(caches, layout, block_ids, out, kernel_blocks_per_block, True, max_programs, block)
+
+
+def scatter(
+    caches: Sequence[torch.Tensor],
+    layout: PagedLayout,
+    block_ids: torch.Tensor,
+    src: torch.Tensor,
+    *,
+    kernel_blocks_per_block: int = 1,
+    max_programs: Optional[int] = None,
+    block: Optional[int] = None,
+) -> None:
+    """Copy segments ``src[l, n]`` of every layer back into the blocks of each chunk, one launch."""
+    _launch(caches, layout, block_ids, src, kernel_blocks_per_block, False, max_programs, block)
