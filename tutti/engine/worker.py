@@ -30,6 +30,8 @@ from tutti.io.queue import READ, WRITE, IOFuture, IOQueue, IORequest, submit_all
 
 log = logging.getLogger("tutti.engine")
 
+_U64 = (1 << 64) - 1  # checksums are journaled as unsigned 64-bit values
+
 
 def nvtx_range(name: str):
     """An NVTX range (domain 'tutti') around a pipeline stage where CUDA is present."""
@@ -267,7 +269,7 @@ class WorkerPipeline:
                 with self._entries_lock:
                     entry = self._entries.get(ld.slot)
                 want = entry[1][item.layer] if entry and entry[0] == ld.key else None
-                if want is None or int(got) != int(want):
+                if want is None or (int(got) & _U64) != int(want):
                     self._fail_load(ld, f"checksum mismatch in layer {item.layer} (stored {want}, read {int(got)})")
                 else:
                     still.append((i, ld))
@@ -461,7 +463,7 @@ class WorkerPipeline:
                 log.warning("tutti: store of chunk %s failed: %s", st.key.hex()[:16], errors[i])
                 self._fail_tickets([st], f"write failed: {errors[i]}")
                 continue
-            tk.checksums[job.layer] = int(sums[i])
+            tk.checksums[job.layer] = int(sums[i]) & _U64
             tk.written += 1
             with self._report_lock:
                 self._report.bytes_stored += self.seg

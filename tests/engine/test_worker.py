@@ -1,0 +1,218 @@
+"""The layer-wise pipeline on CPU tensors with real files, a real IO queue and real kernels."""
+
+import os
+
+import pytest
+import torch
+
+from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk
+from tutti.engine.session import Geometry, build_worker
+from tutti.io.queue import IOQueue
+from tutti.kernels import PagedLayout
+
+L, B, H, N, D = 3, 24, 2, 16, 8  # layers, kernel blocks, kv heads, tokens/block, head size
+T = 32  # chunk tokens: 2 blocks
+BPC = T // N
+
+
+def make_caches(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # vLLM's CPU backend: [B, H, N, 2D], each (block, head) page K rows then V rows
+    return [torch.randn(B, H, N, 2 * D, generator=g) for _ in range(L)]
+
+
+def views(caches):
+    return [c.as_strided((B, H, 2, N, D), (c.stride(0), c.stride(1), N * D, D, 1)) for c in caches]
+
+
+def geometry():
+    return Geometry(model="tiny", cache_dtype="float32", chunk_tokens=T, block_size=N, num_layers=L,
+                    num_heads=H, content_bytes=2 * D * 4)
+
+
+def config(root, **kw):
+    cfg = {"root": str(root), "capacity_bytes": 64 * geometry().slot_bytes, "chunk_tokens": T,
+           "staging_bytes": 16 * 16384, "staging_slots": 16, "max_inflight_stores": 8, "lookahead": 1}
+    cfg.update(kw)
+    return cfg
+
+
+def worker(root, caches, **kw):
+    v = views(caches)
+    layout = PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim"))
+    return build_worker(config(root, **kw), geometry(), caches=v, layout=layout)
+
+
+def run_step(w, plan):
+    w.start_step(plan)
+    for layer in range(L):
+        w.wait_layer(layer)
+        w.save_layer(layer)
+    w.end_step()
+
+
+def block_bytes(caches, blocks):
+    return [c[list(blocks)].clone() for c in caches]
+
+
+def store_chunks(root, caches, chunks):
+    w = worker(root, caches)
+    stores = [StoreChunk("r", bytes([i]) * 32, slot, tuple(blocks), ticket=i + 1)
+              for i, (slot, blocks) in enumerate(chunks)]
+    run_step(w, StepPlan(1, stores=stores))
+    w.flush()
+    rep = w.take_report()
+    w.close()
+    return rep
+
+
+def test_store_then_load_into_other_blocks_is_bit_exact(tmp_path):
+    src = make_caches(0)
+    rep = store_chunks(tmp_path, src, [(3, [0, 1]), (7, [4, 5]), (8, [10, 11])])
+    assert sorted(rep.stored) == [1, 2, 3] and not rep.store_failed
+    dst = make_caches(1)
+    before = [c.clone() for c in dst]
+    w = worker(tmp_path, dst)
+    loads = [LoadChunk("q", bytes([0]) * 32, 3, (20, 21)), LoadChunk("q", bytes([2]) * 32, 8, (2, 3))]
+    run_step(w, StepPlan(2, loads=loads))
+    assert w.take_failed_blocks() == set()
+    for s, d, b in zip(src, dst, before):
+        assert torch.equal(d[[20, 21]], s[[0, 1]])
+        assert torch.equal(d[[2, 3]], s[[10, 11]])
+        untouched = [i for i in range(B) if i not in (20, 21, 2, 3)]
+        assert torch.equal(d[untouched], b[untouched])
+    rep = w.take_report()
+    assert rep.steps_done == [2] and rep.bytes_loaded == 2 * L * geometry().segment_bytes
+    w.close()
+
+
+def test_partial_chunk_load_leaves_local_blocks_alone(tmp_path):
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(0, [0, 1])])
+    dst = make_caches(1)
+    keep = [c[5].clone() for c in dst]
+    w = worker(tmp_path, dst)
+    run_step(w, StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 0, (5, 6), skip_blocks=1)]))
+    for s, d, k in zip(src, dst, keep):
+        assert torch.equal(d[5], k)  # vLLM's own prefix-cache block: not written
+        assert torch.equal(d[6], s[1])
+    w.close()
+
+
+class RecordingQueue(IOQueue):
+    """Wraps a real queue: records each submit and can fail the k-th read."""
+
+    def __init__(self, inner, fail_read=None):
+        self.inner, self.fail_read, self.log, self.reads = inner, fail_read, [], 0
+        self.name = inner.name
+
+    def caps(self):
+        return self.inner.caps()
+
+    def open_file(self, *a, **kw):
+        return self.inner.open_file(*a, **kw)
+
+    def register_buffers(self, b):
+        self.inner.register_buffers(b)
+
+    def submit(self, requests):
+        futs = self.inner.submit(requests)
+        for r, f in zip(requests, futs):
+            self.log.append(("submit", r.op, r.offset))
+            if r.op == "read":
+                self.reads += 1
+                if self.reads == self.fail_read:
+                    f.result()
+                    f._error = OSError(5, "injected read failure")
+        return futs
+
+    def poll(self, timeout=0.0):
+        return self.inner.poll(timeout)
+
+    def close(self):
+        self.inner.close()
+
+
+def _wrapped_worker(tmp_path, caches, fail_read=None, **kw):
+    w = worker(tmp_path, caches, **kw)
+    w.queue = RecordingQueue(w.queue, fail_read)
+    return w
+
+
+def test_rolling_read_never_runs_ahead_of_lookahead(tmp_path):
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])
+    dst = make_caches(1)
+    w = _wrapped_worker(tmp_path, dst)  # lookahead 1
+    seg = geometry().segment_bytes
+    layer_of = lambda off: (off % geometry().slot_bytes) // seg
+    w.start_step(StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 1, (8, 9)), LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]))
+    order = []
+    for layer in range(L):
+        submitted = {layer_of(o) for _, op, o in w.queue.log if op == "read"}
+        order.append((layer, sorted(submitted)))
+        assert max(submitted) <= layer + 1, f"reads ran ahead: {submitted} before layer {layer}"
+        assert layer in submitted
+        w.wait_layer(layer)
+        w.save_layer(layer)
+    w.end_step()
+    assert order == [(0, [0]), (1, [0, 1]), (2, [0, 1, 2])]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
+    w.close()
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_kth_read_failure_fails_exactly_that_chunks_blocks(tmp_path, k):
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])
+    dst = make_caches(1)
+    w = _wrapped_worker(tmp_path, dst, fail_read=k)
+    loads = [LoadChunk("q", bytes([0]) * 32, 1, (8, 9)), LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]
+    run_step(w, StepPlan(2, loads=loads))
+    bad = loads[(k - 1) % 2]  # reads go out layer by layer, chunk by chunk
+    good = loads[k % 2]
+    assert w.take_failed_blocks() == set(bad.block_ids)
+    assert w.take_report().load_failed == [bad.key]
+    gsrc = [0, 1] if good is loads[0] else [2, 3]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[list(good.block_ids)], s[gsrc])
+    w.close()
+
+
+def test_corrupt_slab_is_caught_by_checksum(tmp_path):
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(0, [0, 1]), (1, [2, 3])])
+    slab = next(p for p in tmp_path.rglob("slab-*.bin"))
+    with open(slab, "r+b") as f:  # flip a byte in layer 1 of slot 1
+        off = geometry().slot_bytes + geometry().segment_bytes + 100
+        f.seek(off); b = f.read(1); f.seek(off); f.write(bytes([b[0] ^ 0x40]))
+    dst = make_caches(1)
+    before = [c.clone() for c in dst]
+    w = worker(tmp_path, dst)
+    loads = [LoadChunk("q", bytes([0]) * 32, 0, (8, 9)), LoadChunk("q", bytes([1]) * 32, 1, (10, 11))]
+    run_step(w, StepPlan(2, loads=loads))
+    assert w.take_failed_blocks() == {10, 11}
+    assert torch.equal(dst[0][[8, 9]], src[0][[0, 1]])
+    assert torch.equal(dst[1][[10, 11]], before[1][[10, 11]])  # nothing scattered from the bad segment
+    w.close()
+
+
+def test_full_staging_skips_stores_and_counts_them(tmp_path):
+    caches = make_caches(0)
+    w = worker(tmp_path, caches, staging_slots=4, max_inflight_stores=1)
+    per_slot = w.per_slot
+    many = [StoreChunk("r", bytes([i]) * 32, i, (2 * (i % 12), 2 * (i % 12) + 1), ticket=i + 1)
+            for i in range(per_slot * 2)]  # needs 2 slots a layer; only 1 allowed
+    run_step(w, StepPlan(1, stores=many))
+    w.flush()
+    rep = w.take_report()
+    assert rep.stores_skipped == len(many) and sorted(rep.store_failed) == [s.ticket for s in many]
+    w.close()
+
+
+def test_second_writer_on_one_root_is_refused(tmp_path):
+    w = worker(tmp_path, make_caches(0))
+    with pytest.raises(Exception, match="(?i)lock|in use|writer"):
+        worker(tmp_path, make_caches(1))
+    w.close()
