@@ -177,3 +177,16 @@ def run_in_subprocess(code: str, *, env: dict[str, str] | None = None,
     if p.returncode != 0:
         raise RuntimeError(f"subprocess failed rc={p.returncode}:\n{p.stderr[-6000:]}")
     return p.stdout
+
+
+def settle(llm) -> None:
+    """Let tutti's in-flight stores finish and reach the scheduler (generate() returns as soon
+    as the tokens are out, while stores may still be writing): flush the worker, then run one
+    tiny step so its report is delivered."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        worker = getattr(get_kv_transfer_group(), "worker", None)
+        if worker is not None:
+            worker.flush()
+    generate_ids(llm, [[5, 6, 7]], 1)

@@ -205,12 +205,21 @@ class Planner:
 
     # -- lifecycle ------------------------------------------------------------------------
     def preempted(self, req_id: str) -> None:
-        """vLLM preempted the request: its blocks are freed; rescheduling starts it over."""
-        r = self._reqs.pop(req_id, None)
-        if r is not None:
-            for ld in r.loads:
-                self.index.unpin([ld.key])
-            self._preempted.append(req_id)
+        """vLLM preempted the request: its blocks are freed and it will be scheduled again.
+
+        The request stays known (so `finished` still reports stores the workers track); it
+        gets new blocks and, on resumption, a fresh lookup and allocation.
+        """
+        r = self._reqs.get(req_id)
+        if r is None:
+            return
+        for ld in r.loads:
+            self.index.unpin([ld.key])
+        r.loads = []
+        r.block_ids = []
+        r.hit_chunks = 0
+        r.next_store_chunk = 0  # chunks stored meanwhile are skipped as resident or pending
+        self._preempted.append(req_id)
 
     def finished(self, req_id: str) -> bool:
         """The request is done. True: keep its blocks until the workers report its stores done."""

@@ -135,7 +135,7 @@ class WorkerPipeline:
         self._gathered = 0  # layers gathered for the active stores this step
         self._free_pending: list[int] = []
         # writer thread
-        self._jobs: _queue.Queue[_StoreJob | None] = _queue.Queue()
+        self._jobs: _queue.Queue[_StoreJob | Callable[[], None] | None] = _queue.Queue()
         self._writer = threading.Thread(target=self._writer_loop, name="tutti-writer", daemon=True)
         self._writer.start()
         self._closed = False
@@ -270,7 +270,8 @@ class WorkerPipeline:
                     entry = self._entries.get(ld.slot)
                 want = entry[1][item.layer] if entry and entry[0] == ld.key else None
                 if want is None or (int(got) & _U64) != int(want):
-                    self._fail_load(ld, f"checksum mismatch in layer {item.layer} (stored {want}, read {int(got)})")
+                    self._fail_load(ld, f"checksum mismatch in layer {item.layer} (stored {want}, read {int(got) & _U64})")
+                    self._forget_slot(ld)
                 else:
                     still.append((i, ld))
             good = still
@@ -321,6 +322,18 @@ class WorkerPipeline:
             with self._report_lock:
                 self._report.load_failed.append(ld.key)
         self._failed_blocks.update(ld.block_ids[ld.skip_blocks:])
+
+    def _forget_slot(self, ld: LoadChunk) -> None:
+        """A corrupt chunk is journaled as free (off the hot path), so no restart serves it again."""
+        with self._entries_lock:
+            if self._entries.get(ld.slot, (None,))[0] == ld.key:
+                del self._entries[ld.slot]
+
+        def free() -> None:
+            self.store.record_free([ld.slot])
+            self.store.sync_journal()
+
+        self._jobs.put(free)
 
     def take_failed_blocks(self) -> set[int]:
         out, self._failed_blocks = self._failed_blocks, set()
@@ -424,6 +437,12 @@ class WorkerPipeline:
             job = self._jobs.get()
             if job is None:
                 return
+            if callable(job):
+                try:
+                    job()
+                except Exception:  # noqa: BLE001
+                    log.exception("tutti: journal update failed")
+                continue
             try:
                 self._write_job(job)
             except Exception:  # noqa: BLE001 - a writer must never die silently

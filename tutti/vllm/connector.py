@@ -88,6 +88,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
 
     # ================================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.shutdown()  # registered again (a new engine in this process): release the old store first
         names = list(kv_caches)
         self._layer_index = {n: i for i, n in enumerate(names)}
         caches = [kv_caches[n] for n in names]
