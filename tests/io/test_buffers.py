@@ -68,6 +68,14 @@ def test_mapping_lives_exactly_as_long_as_the_tensor():
     assert not _mapped(addr)  # unmapped with the last view: no leak
 
 
+def test_huge_page_hint_is_optional():
+    for huge in (True, False):
+        t = aligned_buffer(4 << 20, huge=huge)
+        assert is_aligned(t) and t.numel() == 4 << 20
+        t.fill_(9)
+        assert int(t[-1]) == 9
+
+
 def test_pin_is_a_noop_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: pinning is exercised for real elsewhere")

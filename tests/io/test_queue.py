@@ -236,3 +236,20 @@ def test_auto_falls_back_to_threads_with_one_warning():
 def test_unknown_backend_is_a_clear_value_error():
     with pytest.raises(ValueError, match="io_backend='spdk'"):
         open_queue("spdk")
+
+
+def test_submit_all_validates_the_whole_list_before_the_first_window(tmp_path, backend):
+    path = tmp_path / "f"
+    path.write_bytes(b"\x22" * 4096)
+    buf = _random(32 * 4096, seed=9)
+    with open_queue(backend, queue_depth=4) as q:
+        fd = q.open_file(path, write=True)
+        try:
+            reqs = _segments(fd, buf, 4096, "write")
+            reqs[30] = IORequest(fd, 30 * 4096 + 512, buf, 30 * 4096, 4096, "write")
+            with pytest.raises(ValueError, match="offset"):
+                submit_all(q, reqs)  # far beyond the first window of 4
+            q.drain()
+        finally:
+            os.close(fd)
+    assert path.read_bytes() == b"\x22" * 4096

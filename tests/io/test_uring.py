@@ -48,7 +48,8 @@ def test_refused_setup_raises_oserror_with_the_kernels_errno():
 @pytest.mark.parametrize(
     "kwargs, field",
     [({"queue_depth": 0}, "queue_depth"), ({"queue_depth": 1 << 16}, "queue_depth"),
-     ({"max_io_bytes": 1000}, "max_io_bytes"), ({"max_in_flight": 0}, "max_in_flight")],
+     ({"max_io_bytes": 1000}, "max_io_bytes"), ({"max_in_flight": 0}, "max_in_flight"),
+     ({"uring_reap_divisor": 0}, "uring_reap_divisor")],
 )
 def test_bad_constructor_arguments(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -16,8 +16,10 @@ import torch
 
 from tutti.io.queue import ALIGN
 
+_HUGE_PAGE = 2 << 20
 
-def aligned_buffer(nbytes: int, *, pin: bool = True) -> torch.Tensor:
+
+def aligned_buffer(nbytes: int, *, pin: bool = True, huge: bool = True) -> torch.Tensor:
     """Return a zero-filled, 4 KiB-aligned uint8 CPU tensor of `nbytes` bytes backed by an anonymous mmap.
 
     Ownership: the tensor holds a numpy array (``torch.from_numpy`` keeps it as the storage's
@@ -31,13 +33,21 @@ def aligned_buffer(nbytes: int, *, pin: bool = True) -> torch.Tensor:
 
     `pin=True` page-locks the memory with cudaHostRegister when CUDA is available so that
     host<->device copies are DMA-able and asynchronous; it is a no-op on CPU-only machines. The
-    registration is undone when the memory is released.
+    registration is undone when the memory is released. `huge=True` asks for transparent huge
+    pages on mappings of 2 MiB or more.
     """
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
         raise ValueError(f"aligned_buffer(nbytes={nbytes!r}): expected a positive int byte count")
     # Round the mapping up to whole 4 KiB units so every buffer can hold padded segments.
     mapped = -(-nbytes // ALIGN) * ALIGN
     mm = mmap.mmap(-1, mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if huge and mapped >= _HUGE_PAGE and hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        # Transparent huge pages (where THP is in "madvise" mode): 512x fewer pages to pin for
+        # io_uring fixed buffers and to map for DMA, which in a VM is most of the per-byte cost.
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # THP off: plain pages are just as correct
     arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
     del mm  # the array's buffer export keeps the mapping alive (see docstring)
     tensor = torch.from_numpy(arr)

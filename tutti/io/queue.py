@@ -215,15 +215,29 @@ class IOQueue(abc.ABC):
 
 
 def submit_all(queue: IOQueue, requests: Iterable[IORequest], poll_timeout: float = 0.05) -> list[IOFuture]:
-    """Submit every request, resubmitting the part a full queue refused in windows."""
+    """Submit every request, resubmitting the part a full queue refused in windows.
+
+    The whole list is validated first (ValueError before any IO), then handed over one
+    in-flight-sized window at a time: passing the whole rest on every call would make each
+    `submit` re-validate everything it is about to refuse, O(n^2) for a long list.
+    """
     pending = list(requests)
+    caps = queue.caps()
+    for req in pending:
+        check_request(req, caps.alignment, caps.max_io_bytes)
+    window = size = max(1, caps.max_in_flight)
     futures: list[IOFuture] = []
-    while pending:
-        accepted = queue.submit(pending)
+    start = 0
+    while start < len(pending):
+        accepted = queue.submit(pending[start : start + size])
         futures.extend(accepted)
-        pending = pending[len(accepted):]
-        if pending and not accepted:
-            queue.poll(poll_timeout)
+        start += len(accepted)
+        if start < len(pending) and len(accepted) < size:
+            # Full: wait for room, then offer about as many as completed since the last poll
+            # (offering more would only re-validate requests about to be refused again).
+            size = min(window, max(1, queue.poll(poll_timeout)))
+        else:
+            size = min(window, 2 * size)  # all taken: offer more next time
     return futures
 
 
