@@ -202,6 +202,26 @@ def test_allocate_backs_slots_with_written_zeros(tmp_path):
             st.allocate([5])
 
 
+def test_reader_follows_the_writer_and_close_syncs(tmp_path):
+    fp, root, cap = make_fp(), str(tmp_path), 6 * 3 * SEG
+    st = ChunkStore(root, fp, capacity_bytes=cap, writer=True)
+    store_chunk(st, 2, chunk_key(2))
+    rd = ChunkStore(root, fp, capacity_bytes=cap, writer=False)
+    assert list(rd.entries()) == [2]
+    store_chunk(st, 4, chunk_key(4))
+    st.record_free([2])
+    assert list(rd.entries()) == [2]  # a reader sees nothing until it replays again
+    rd.refresh()
+    assert sorted(rd.entries()) == [2, 4]  # the free is not synced yet: not durable, not visible
+    st.close()  # a clean close makes the pending free durable
+    rd.refresh()
+    assert list(rd.entries()) == [4]
+    verify_all(rd)
+    with pytest.raises(RuntimeError, match="closed"):
+        st.location(0)
+    rd.close()
+
+
 # ---- namespaces and manifests ---------------------------------------------------------------
 def test_two_fingerprints_never_see_each_other(tmp_path):
     root = str(tmp_path)
@@ -423,7 +443,14 @@ def crash_and_check(root: str, target: int, delay: float) -> dict:
     else:  # killed while freeing iteration last + 1's slot
         open_slot, allowed = (last + 1) % nslots, {None, expected[(last + 1) % nslots]}
 
+    ns = namespace_dir(root, fp)
+    before = {n: os.stat(os.path.join(ns, n)) for n in os.listdir(ns)}
     for writer in (False, True):  # the reader first: it must cope with the torn tail untouched
+        if writer:
+            after = {n: os.stat(os.path.join(ns, n)) for n in os.listdir(ns)}
+            assert {n: (st.st_size, st.st_mtime_ns) for n, st in after.items()} == {
+                n: (st.st_size, st.st_mtime_ns) for n, st in before.items()
+            }, "a reader changed the namespace"
         with ChunkStore(root, fp, capacity_bytes=nslots * 3 * SEG, writer=writer) as st:
             seen = verify_all(st)
             for s in range(nslots):
