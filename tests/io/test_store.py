@@ -17,7 +17,6 @@ import zlib
 import pytest
 
 from tutti.io.fingerprint import Fingerprint
-from tutti.io.journal import Entry
 from tutti.io.store import (
     ChunkStore,
     ManifestMismatchError,
