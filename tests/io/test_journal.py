@@ -285,3 +285,45 @@ def test_reader_cannot_append(tmp_path):
     assert not os.path.exists(tmp_path / "missing")
     with pytest.raises(RuntimeError, match="read-only"):
         j.append_free([1])
+
+
+class Crash(BaseException):
+    """Stands for SIGKILL: no cleanup code may run, the page cache (what was written) survives."""
+
+
+@pytest.mark.parametrize("point", ["mid-write", "before-rename", "before-dir-fsync"])
+def test_compaction_crash_at_each_step(tmp_path, monkeypatch, point):
+    path = str(tmp_path / "j")
+    j = Journal(path, writer=True, compact_min_bytes=1 << 30)  # no automatic compaction yet
+    model: dict = {}
+    run_ops(j, random_ops(11, 300, slots=10), model)
+    j.sync()
+    assert len(model) >= 3
+    real_write, real_rename = jmod._write_all, os.rename
+
+    def half_then_crash(fd, data, offset):
+        real_write(fd, bytes(memoryview(data)[: len(data) // 2]), offset)
+        raise Crash
+
+    def crash(*a, **k):
+        raise Crash
+
+    if point == "mid-write":
+        monkeypatch.setattr(jmod, "_write_all", half_then_crash)
+    elif point == "before-rename":
+        monkeypatch.setattr(jmod.os, "rename", crash)
+    else:
+        monkeypatch.setattr(jmod, "fsync_dir", crash)
+    with pytest.raises(Crash):
+        j.compact()
+    monkeypatch.setattr(jmod, "_write_all", real_write)
+    monkeypatch.setattr(jmod.os, "rename", real_rename)
+    monkeypatch.undo()
+    assert Journal(path, writer=False).entries == model
+    again = Journal(path, writer=True)
+    assert again.entries == model
+    again.append_put(key(1000), 0, [1])
+    again.sync()
+    again.close()
+    model[0] = Entry(key(1000), (1,))
+    assert Journal(path, writer=False).entries == model

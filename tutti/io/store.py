@@ -26,6 +26,7 @@ import fcntl
 import json
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -169,6 +170,8 @@ class ChunkStore:
         self._slab_fds: dict[tuple[int, int], int] = {}
         self._zeros: mmap.mmap | None = None
         self._closed = False
+        # IO threads may ask for locations while the engine thread records: guard the fd cache and journal.
+        self._mutex = threading.RLock()
         self.journal: Journal | None = None
         try:
             present = [self._prepare_root(i) for i in range(len(roots))]
@@ -355,6 +358,11 @@ class ChunkStore:
         fd = self._slab_fds.get((r, slab))
         if fd is not None:
             return fd
+        with self._mutex:
+            fd = self._slab_fds.get((r, slab))
+            return fd if fd is not None else self._open_slab(r, slab)
+
+    def _open_slab(self, r: int, slab: int) -> int:
         path = os.path.join(self.namespaces[r], f"slab-{slab}.bin")
         if self.writer:
             try:
@@ -404,7 +412,8 @@ class ChunkStore:
         self._require_writer()
         slots = [self._check_slot(s, "slots[]") for s in slots]
         assert self.journal is not None
-        self.journal.append_free(slots)
+        with self._mutex:
+            self.journal.append_free(slots)
 
     def record_put(self, key: bytes, slot: int, checksums: Sequence[int]) -> None:
         """`slot` now holds chunk `key`. Append only after sync_data() made its bytes durable."""
@@ -416,7 +425,8 @@ class ChunkStore:
                 f"checksums: {len(checksums)} values for slot {slot}; expected one per layer segment (num_layers={self.num_layers})"
             )
         assert self.journal is not None
-        self.journal.append_put(key, slot, checksums)
+        with self._mutex:
+            self.journal.append_put(key, slot, checksums)
 
     def sync_data(self, slots: Sequence[int] | None = None) -> None:
         """fdatasync the slab files holding `slots` (all open slab files when None)."""
@@ -433,14 +443,16 @@ class ChunkStore:
         """Write and fsync every record appended since the last call (one fsync for the batch)."""
         self._require_writer()
         assert self.journal is not None
-        self.journal.sync()
+        with self._mutex:
+            self.journal.sync()
 
     # ---- state --------------------------------------------------------------------------
     def entries(self) -> dict[int, Entry]:
         """slot -> Entry(key, checksums): the replayed state plus records appended since."""
         self._check_open()
         assert self.journal is not None
-        return dict(self.journal.entries)
+        with self._mutex:
+            return dict(self.journal.entries)
 
     def get(self, slot: int) -> Entry | None:
         self._check_open()
@@ -499,7 +511,7 @@ class ChunkStore:
         if self._closed:
             return
         self._closed = True
-        try:
+        try:  # pending records are made durable on a clean close; a crash would drop them
             if self.journal is not None and self.writer and self.journal.pending_records:
                 self.journal.sync()
         finally:
