@@ -15,10 +15,25 @@ T = 32  # chunk tokens: 2 blocks
 BPC = T // N
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES, autouse=True)
+def device(request):
+    """Every test runs on the CPU (synchronous kernels) and, where CUDA exists, on the GPU
+    (compiled Triton, side streams and events)."""
+    global DEV
+    DEV = request.param
+    yield request.param
+
+
+DEV = "cpu"
+
+
 def make_caches(seed=0):
     g = torch.Generator().manual_seed(seed)
     # vLLM's CPU backend: [B, H, N, 2D], each (block, head) page K rows then V rows
-    return [torch.randn(B, H, N, 2 * D, generator=g) for _ in range(L)]
+    return [torch.randn(B, H, N, 2 * D, generator=g).to(DEV) for _ in range(L)]
 
 
 def views(caches):

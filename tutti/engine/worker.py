@@ -157,6 +157,10 @@ class WorkerPipeline:
             else:
                 loads.append(ld)
         if loads:
+            if self.cuda:
+                # blocks just handed to these requests may still be in use by work already queued
+                # on the compute stream (a freed request's last step): scatter only after it
+                self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
             for layer in range(self.num_layers):
                 for i in range(0, len(loads), self.per_slot):
                     self._items.append(_LoadItem(layer, loads[i:i + self.per_slot]))
