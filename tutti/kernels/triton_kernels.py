@@ -103,6 +103,25 @@ def _layer_offsets(addrs: Sequence[int], base: int, ws: int, device: torch.devic
     return t
 
 
+def _coalesce(layout: PagedLayout) -> tuple[int, int, int, int, int, int, int]:
+    """Merge adjacent dims whose bytes follow each other in segment order.
+
+    Pieces, heads and tokens nest in the segment exactly as (token, head, piece, byte), so when
+    a dim's stride equals the bytes of everything inside it, it folds into a longer contiguous
+    piece: fewer index ops and longer vector runs (e.g. NHD K|V blocks become one run).
+    Returns (block_size, heads, pieces, piece_bytes, stride_token, stride_head, stride_piece).
+    """
+    bs, h, p, w = layout.block_size, layout.num_heads, layout.num_pieces, layout.piece_bytes
+    st, sh, sp = layout.stride_token, layout.stride_head, layout.stride_piece
+    if p == 2 and sp == w:
+        p, w, sp = 1, 2 * w, 0
+    if p == 1 and (h == 1 or sh == w):
+        h, w, sh = 1, h * w, 0
+    if p == 1 and h == 1 and (bs == 1 or st == w):
+        bs, w, st = 1, bs * w, 0
+    return bs, h, p, w, st, sh, sp
+
+
 def _interpreted(device: torch.device) -> bool:
     return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -116,6 +135,7 @@ def _launch(
     gather_dir: bool,
     max_programs: Optional[int],
     block: Optional[int],
+    num_warps: int = 4,
 ) -> None:
     plan: CopyPlan = check_args(caches, layout, block_ids, seg, k, "out" if gather_dir else "src")
     if max_programs is not None and (not isinstance(max_programs, int) or max_programs < 1):
@@ -128,8 +148,9 @@ def _launch(
     base = storage.data_ptr()
     sg = plan.seg
     S = sg.shape[2]
-    strides = (layout.stride_block, layout.stride_token, layout.stride_head, layout.stride_piece)
-    values = [layout.piece_bytes, S, sg.data_ptr(), sg.stride(0), sg.stride(1), base, *strides, *plan.layer_addrs]
+    bs, nh, npc, pw, st, sh, sp = _coalesce(layout)
+    strides = (layout.stride_block, st, sh, sp)
+    values = [pw, S, sg.data_ptr(), sg.stride(0), sg.stride(1), base, *strides, *plan.layer_addrs]
     ws = word_bytes(values)
     wdt = _WORD_DTYPES[ws]
     cache_w = torch.empty(0, dtype=wdt, device=plan.device).set_(storage, 0, (storage.nbytes() // ws,), (1,))
@@ -140,12 +161,16 @@ def _launch(
     for v in (2, 4):  # 16 bytes at most per vector access
         if v * ws <= 16 and all(x % v == 0 for x in words):
             vec = v
-    ww = layout.piece_bytes // ws
-    E = layout.block_size * layout.num_heads * layout.num_pieces * ww
+    ww = pw // ws
+    E = bs * nh * npc * ww
     items = plan.num_layers * plan.num_chunks * plan.kernel_blocks_per_chunk
     interp = _interpreted(plan.device)
     if block is None:
-        block = min(triton.next_power_of_2(E), 4096 if interp else 1024)
+        cap = 4096 if interp else 1024
+        block = min(triton.next_power_of_2(E), cap)
+        pow2 = E & -E  # a tile that divides E wastes no lanes (e.g. MLA: 2304 words = 9 x 256)
+        if not interp and E % block and pow2 >= 256:
+            block = min(pow2, cap)
     grid = items if max_programs is None else min(items, max_programs)
     _paged_copy_kernel[(grid,)](
         cache_w,
@@ -161,18 +186,18 @@ def _launch(
         plan.kernel_blocks_per_chunk,
         (S - plan.data_bytes) // ws,
         layout.stride_block // ws,
-        layout.stride_token // ws,
-        layout.stride_head // ws,
-        layout.stride_piece // ws,
+        st // ws,
+        sh // ws,
+        sp // ws,
         K=k,
-        BS=layout.block_size,
-        H=layout.num_heads,
-        P=layout.num_pieces,
+        BS=bs,
+        H=nh,
+        P=npc,
         WW=ww,
         VEC=vec,
         GATHER=gather_dir,
         BLOCK=block,
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 
@@ -185,9 +210,10 @@ def gather(
     kernel_blocks_per_block: int = 1,
     max_programs: Optional[int] = None,
     block: Optional[int] = None,
+    num_warps: int = 4,
 ) -> None:
     """Copy the blocks of each chunk of every layer into ``out[l, n]`` (padding zeroed), one launch."""
-    _launch(caches, layout, block_ids, out, kernel_blocks_per_block, True, max_programs, block)
+    _launch(caches, layout, block_ids, out, kernel_blocks_per_block, True, max_programs, block, num_warps)
 
 
 def scatter(
@@ -199,6 +225,7 @@ def scatter(
     kernel_blocks_per_block: int = 1,
     max_programs: Optional[int] = None,
     block: Optional[int] = None,
+    num_warps: int = 4,
 ) -> None:
     """Copy segments ``src[l, n]`` of every layer back into the blocks of each chunk, one launch."""
-    _launch(caches, layout, block_ids, src, kernel_blocks_per_block, False, max_programs, block)
+    _launch(caches, layout, block_ids, src, kernel_blocks_per_block, False, max_programs, block, num_warps)
