@@ -38,18 +38,19 @@ def test_triton_quick_suite():
     assert report.num_cases >= 30
 
 
-@pytest.mark.parametrize("max_programs", [1, 3])
-def test_grid_cap_covers_all_work(max_programs):
+@pytest.mark.parametrize("max_programs,group", [(1, None), (3, None), (3, 1), (None, 1), (2, 4)])
+def test_grid_cap_covers_all_work(max_programs, group):
+    """Persistent loop over work items (grid cap) and both item-grouping paths of the kernel."""
     case = C.make_case("kv_outer", torch.float16, 16, num_blocks=10)
     ids = torch.tensor([[1, 9, 4], [0, 2, 7]])
     S = case.layout.segment_bytes(48)
     want = C.expected_segments(case, ids, 1, S)
     out = torch.full((2, 2, S), 7, dtype=torch.uint8)
-    triton_kernels.gather(case.caches, case.layout, ids, out, max_programs=max_programs, block=128)
+    triton_kernels.gather(case.caches, case.layout, ids, out, max_programs=max_programs, block=128, group=group)
     assert torch.equal(out, want)
     dst = C.make_case("kv_outer", torch.float16, 16, num_blocks=10, seed=5)
     before = C.storage_bytes(dst)[0].clone()
-    triton_kernels.scatter(dst.caches, dst.layout, ids, out, max_programs=max_programs)
+    triton_kernels.scatter(dst.caches, dst.layout, ids, out, max_programs=max_programs, group=group)
     back = torch.empty_like(out)
     K.gather(dst.caches, dst.layout, ids, back, variant="torch")
     assert torch.equal(back, want)
@@ -85,3 +86,10 @@ def test_empty_wave_is_a_no_op():
     case = C.make_case("hnd", torch.float16, 16, num_blocks=4)
     out = torch.empty((2, 0, case.layout.segment_bytes(16)), dtype=torch.uint8)
     K.gather(case.caches, case.layout, torch.empty((0, 1), dtype=torch.int64), out, variant="triton")
+
+
+@pytest.mark.parametrize("kind", ["kv_outer", "shared_int8_odd", "mla4"])
+def test_one_item_per_program_path(kind, monkeypatch):
+    """Large kernel blocks take the scalar one-item path; force it on small test blocks."""
+    monkeypatch.setattr(triton_kernels, "_GROUP_WORDS", 1)
+    C.run_case("triton", kind, "bf16", 16, k=2)
