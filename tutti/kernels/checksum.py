@@ -88,7 +88,7 @@ def segment_checksum_triton(segments: torch.Tensor, *, splits: int | None = None
         block = min(triton.next_power_of_2(max(nw, 1)), 8192 if interp else 2048)
     if splits is None:
         # enough programs to fill a GPU even for few segments; one per row when interpreted
-        splits = 1 if interp else max(1, min(triton.cdiv(nw, 4 * block), triton.cdiv(1024, m)))
+        splits = 1 if interp else max(1, min(triton.cdiv(nw, 4 * block), triton.cdiv(4096, m)))
     per = triton.cdiv(triton.cdiv(nw, splits), block) * block
     splits = max(1, triton.cdiv(nw, per)) if nw else 1
     per = max(per, block)

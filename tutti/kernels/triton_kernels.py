@@ -193,7 +193,9 @@ def _launch(
     items = plan.num_layers * plan.num_chunks * plan.kernel_blocks_per_chunk
     interp = _interpreted(plan.device)
     if group is None:
-        group = 1 if E >= _GROUP_WORDS else min(16, triton.next_power_of_2(triton.cdiv(_GROUP_WORDS, E)))
+        # On an H200 grouping small (MLA) blocks measured no faster than one item per program
+        # step, so compiled launches keep one; the interpreter groups to cut per-program cost.
+        group = 1 if (E >= _GROUP_WORDS or not interp) else min(16, triton.next_power_of_2(triton.cdiv(_GROUP_WORDS, E)))
     span = group * E
     if block is None:
         cap = 4096 if interp else 1024
