@@ -55,23 +55,24 @@ def segment_checksum_torch(segments: torch.Tensor, *, rows_per_step: int = 64) -
 
 @triton.jit
 def _checksum_kernel(seg_ptr, seg_stride, nwords, words_per_split, part_ptr, BLOCK: tl.constexpr):
+    # uint32 arithmetic wraps mod 2^32, which is exactly the definition, and is far cheaper
+    # on GPUs than int64 multiplies.
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
     nsplit = tl.num_programs(1)
     lo = split * words_per_split
-    acc1 = tl.zeros([BLOCK], dtype=tl.int64)
-    acc2 = tl.zeros([BLOCK], dtype=tl.int64)
+    acc1 = tl.zeros([BLOCK], dtype=tl.uint32)
+    acc2 = tl.zeros([BLOCK], dtype=tl.uint32)
     base = seg_ptr + row * seg_stride
-    mask32 = tl.full([], 0xFFFFFFFF, tl.int64)
     for start in range(0, words_per_split, BLOCK):
         i = lo + start + tl.arange(0, BLOCK).to(tl.int64)
         mask = (i < nwords) & (i < lo + words_per_split)
-        w = tl.load(base + i, mask=mask, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        w = tl.load(base + i, mask=mask, other=0).to(tl.uint32, bitcast=True)
         acc1 += w
-        acc2 = (acc2 + ((i + 1) & mask32) * w) & mask32
+        acc2 += (i + 1).to(tl.uint32) * w
     out = part_ptr + (row * nsplit + split) * 2
-    tl.store(out, tl.sum(acc1, axis=0) & mask32)
-    tl.store(out + 1, tl.sum(acc2, axis=0) & mask32)
+    tl.store(out, tl.sum(acc1, axis=0).to(tl.int64))
+    tl.store(out + 1, tl.sum(acc2, axis=0).to(tl.int64))
 
 
 def segment_checksum_triton(segments: torch.Tensor, *, splits: int | None = None, block: int | None = None) -> torch.Tensor:
@@ -87,7 +88,7 @@ def segment_checksum_triton(segments: torch.Tensor, *, splits: int | None = None
         block = min(triton.next_power_of_2(max(nw, 1)), 8192 if interp else 2048)
     if splits is None:
         # enough programs to fill a GPU even for few segments; one per row when interpreted
-        splits = 1 if interp else max(1, min(triton.cdiv(nw, 4 * block), triton.cdiv(1024, m)))
+        splits = 1 if interp else max(1, min(triton.cdiv(nw, 4 * block), triton.cdiv(4096, m)))
     per = triton.cdiv(triton.cdiv(nw, splits), block) * block
     splits = max(1, triton.cdiv(nw, per)) if nw else 1
     per = max(per, block)

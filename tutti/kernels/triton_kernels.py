@@ -47,32 +47,51 @@ def _paged_copy_kernel(
     P: tl.constexpr,
     WW: tl.constexpr,  # words per piece
     VEC: tl.constexpr,  # words known contiguous and aligned together (vectorization hint)
+    G: tl.constexpr,  # items per group
     GATHER: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     E: tl.constexpr = BS * H * P * WW  # words of one kernel block of one layer
+    SPAN: tl.constexpr = G * E  # words of one group of G consecutive items
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    for item in range(pid, num_items, nprog):
-        it = tl.full([], 0, tl.int64) + item
-        j = it % kb_per_chunk
-        r = it // kb_per_chunk
-        n = r % num_chunks
-        l = r // num_chunks
-        m = tl.load(ids_ptr + n * ids_sn + (j // K) * ids_sm).to(tl.int64)
-        cbase = tl.load(layer_off_ptr + l) + (m * K + j % K) * stride_block
-        sbase = l * seg_sl + n * seg_sn + j * E
-        for start in range(0, E, BLOCK):
-            e = start + tl.arange(0, BLOCK)
-            mask = e < E
+    num_groups = (num_items + G - 1) // G
+    for grp in range(pid, num_groups, nprog):
+        g0 = (tl.full([], 0, tl.int64) + grp) * G  # first item of the group
+        if G == 1:  # one big item: its block id and bases once, as scalars
+            j = g0 % kb_per_chunk
+            r = g0 // kb_per_chunk
+            n = r % num_chunks
+            l = r // num_chunks
+            m = tl.load(ids_ptr + n * ids_sn + (j // K) * ids_sm).to(tl.int64)
+            cbase = tl.load(layer_off_ptr + l) + (m * K + j % K) * stride_block
+            sbase = l * seg_sl + n * seg_sn + j * E
+        for start in range(0, SPAN, BLOCK):
+            f = start + tl.arange(0, BLOCK)
+            if G == 1:
+                e = f
+                mask = f < E
+                cb = cbase
+                sb = sbase
+            else:  # small items (MLA): several per tile so each program moves enough bytes
+                it = g0 + f // E
+                e = f % E
+                mask = (f < SPAN) & (it < num_items)
+                jv = it % kb_per_chunk
+                rv = it // kb_per_chunk
+                nv = rv % num_chunks
+                lv = rv // num_chunks
+                mv = tl.load(ids_ptr + nv * ids_sn + (jv // K) * ids_sm, mask=mask, other=0).to(tl.int64)
+                cb = tl.load(layer_off_ptr + lv, mask=mask, other=0) + (mv * K + jv % K) * stride_block
+                sb = lv * seg_sl + nv * seg_sn + jv * E
             w = e % WW
             q = e // WW
             p = q % P
             q = q // P
             h = q % H
             t = q // H
-            coff = cbase + t.to(tl.int64) * stride_token + h.to(tl.int64) * stride_head + p.to(tl.int64) * stride_piece + w
-            soff = sbase + e
+            coff = cb + t.to(tl.int64) * stride_token + h.to(tl.int64) * stride_head + p.to(tl.int64) * stride_piece + w
+            soff = sb + e
             coff = tl.max_contiguous(tl.multiple_of(coff, VEC), VEC)
             soff = tl.max_contiguous(tl.multiple_of(soff, VEC), VEC)
             if GATHER:
@@ -80,15 +99,20 @@ def _paged_copy_kernel(
             else:
                 tl.store(cache_ptr + coff, tl.load(seg_ptr + soff, mask=mask), mask=mask)
         if GATHER:
-            if j == kb_per_chunk - 1:
-                pbase = sbase + E
-                for s in range(0, pad_words, BLOCK):
-                    o = s + tl.arange(0, BLOCK)
-                    zero = tl.zeros([BLOCK], dtype=seg_ptr.dtype.element_ty)
-                    tl.store(seg_ptr + pbase + o, zero, mask=o < pad_words)
+            for gi in tl.static_range(G):  # zero the padding after each chunk's last block
+                pit = g0 + gi
+                pj = pit % kb_per_chunk
+                if (pit < num_items) & (pj == kb_per_chunk - 1):
+                    pr = pit // kb_per_chunk
+                    pbase = (pr // num_chunks) * seg_sl + (pr % num_chunks) * seg_sn + (pj + 1) * E
+                    for s in range(0, pad_words, BLOCK):
+                        o = s + tl.arange(0, BLOCK)
+                        zero = tl.zeros([BLOCK], dtype=seg_ptr.dtype.element_ty)
+                        tl.store(seg_ptr + pbase + o, zero, mask=o < pad_words)
 
 
 _offset_cache: dict = {}
+_GROUP_WORDS = 8192  # items smaller than this are moved several per program
 
 
 def _layer_offsets(addrs: Sequence[int], base: int, ws: int, device: torch.device) -> torch.Tensor:
@@ -101,6 +125,25 @@ def _layer_offsets(addrs: Sequence[int], base: int, ws: int, device: torch.devic
         t = torch.tensor([(a - base) // ws for a in addrs], dtype=torch.int64, device=device)
         _offset_cache[key] = t
     return t
+
+
+def _coalesce(layout: PagedLayout) -> tuple[int, int, int, int, int, int, int]:
+    """Merge adjacent dims whose bytes follow each other in segment order.
+
+    Pieces, heads and tokens nest in the segment exactly as (token, head, piece, byte), so when
+    a dim's stride equals the bytes of everything inside it, it folds into a longer contiguous
+    piece: fewer index ops and longer vector runs (e.g. NHD K|V blocks become one run).
+    Returns (block_size, heads, pieces, piece_bytes, stride_token, stride_head, stride_piece).
+    """
+    bs, h, p, w = layout.block_size, layout.num_heads, layout.num_pieces, layout.piece_bytes
+    st, sh, sp = layout.stride_token, layout.stride_head, layout.stride_piece
+    if p == 2 and sp == w:
+        p, w, sp = 1, 2 * w, 0
+    if p == 1 and (h == 1 or sh == w):
+        h, w, sh = 1, h * w, 0
+    if p == 1 and h == 1 and (bs == 1 or st == w):
+        bs, w, st = 1, bs * w, 0
+    return bs, h, p, w, st, sh, sp
 
 
 def _interpreted(device: torch.device) -> bool:
@@ -116,10 +159,14 @@ def _launch(
     gather_dir: bool,
     max_programs: Optional[int],
     block: Optional[int],
+    num_warps: int = 4,
+    group: Optional[int] = None,
 ) -> None:
     plan: CopyPlan = check_args(caches, layout, block_ids, seg, k, "out" if gather_dir else "src")
     if max_programs is not None and (not isinstance(max_programs, int) or max_programs < 1):
         raise ValueError(f"max_programs={max_programs!r}: expected None or a positive int")
+    if group is not None and (not isinstance(group, int) or group < 1 or group & (group - 1)):
+        raise ValueError(f"group={group!r}: expected None or a power of two (items per program step)")
     if plan.num_chunks == 0:
         return
     if isinstance(caches, torch.Tensor):
@@ -128,8 +175,9 @@ def _launch(
     base = storage.data_ptr()
     sg = plan.seg
     S = sg.shape[2]
-    strides = (layout.stride_block, layout.stride_token, layout.stride_head, layout.stride_piece)
-    values = [layout.piece_bytes, S, sg.data_ptr(), sg.stride(0), sg.stride(1), base, *strides, *plan.layer_addrs]
+    bs, nh, npc, pw, st, sh, sp = _coalesce(layout)
+    strides = (layout.stride_block, st, sh, sp)
+    values = [pw, S, sg.data_ptr(), sg.stride(0), sg.stride(1), base, *strides, *plan.layer_addrs]
     ws = word_bytes(values)
     wdt = _WORD_DTYPES[ws]
     cache_w = torch.empty(0, dtype=wdt, device=plan.device).set_(storage, 0, (storage.nbytes() // ws,), (1,))
@@ -140,13 +188,23 @@ def _launch(
     for v in (2, 4):  # 16 bytes at most per vector access
         if v * ws <= 16 and all(x % v == 0 for x in words):
             vec = v
-    ww = layout.piece_bytes // ws
-    E = layout.block_size * layout.num_heads * layout.num_pieces * ww
+    ww = pw // ws
+    E = bs * nh * npc * ww
     items = plan.num_layers * plan.num_chunks * plan.kernel_blocks_per_chunk
     interp = _interpreted(plan.device)
+    if group is None:
+        # On an H200 grouping small (MLA) blocks measured no faster than one item per program
+        # step, so compiled launches keep one; the interpreter groups to cut per-program cost.
+        group = 1 if (E >= _GROUP_WORDS or not interp) else min(16, triton.next_power_of_2(triton.cdiv(_GROUP_WORDS, E)))
+    span = group * E
     if block is None:
-        block = min(triton.next_power_of_2(E), 4096 if interp else 1024)
-    grid = items if max_programs is None else min(items, max_programs)
+        cap = 4096 if interp else 1024
+        block = min(triton.next_power_of_2(span), cap)
+        pow2 = span & -span  # a tile that divides the span wastes no lanes (MLA: 2304 words = 9 x 256)
+        if not interp and span % block and pow2 >= 256:
+            block = min(pow2, cap)
+    groups = triton.cdiv(items, group)
+    grid = groups if max_programs is None else min(groups, max_programs)
     _paged_copy_kernel[(grid,)](
         cache_w,
         offsets,
@@ -161,18 +219,19 @@ def _launch(
         plan.kernel_blocks_per_chunk,
         (S - plan.data_bytes) // ws,
         layout.stride_block // ws,
-        layout.stride_token // ws,
-        layout.stride_head // ws,
-        layout.stride_piece // ws,
+        st // ws,
+        sh // ws,
+        sp // ws,
         K=k,
-        BS=layout.block_size,
-        H=layout.num_heads,
-        P=layout.num_pieces,
+        BS=bs,
+        H=nh,
+        P=npc,
         WW=ww,
         VEC=vec,
+        G=group,
         GATHER=gather_dir,
         BLOCK=block,
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 
@@ -185,9 +244,11 @@ def gather(
     kernel_blocks_per_block: int = 1,
     max_programs: Optional[int] = None,
     block: Optional[int] = None,
+    num_warps: int = 4,
+    group: Optional[int] = None,
 ) -> None:
     """Copy the blocks of each chunk of every layer into ``out[l, n]`` (padding zeroed), one launch."""
-    _launch(caches, layout, block_ids, out, kernel_blocks_per_block, True, max_programs, block)
+    _launch(caches, layout, block_ids, out, kernel_blocks_per_block, True, max_programs, block, num_warps, group)
 
 
 def scatter(
@@ -199,6 +260,8 @@ def scatter(
     kernel_blocks_per_block: int = 1,
     max_programs: Optional[int] = None,
     block: Optional[int] = None,
+    num_warps: int = 4,
+    group: Optional[int] = None,
 ) -> None:
     """Copy segments ``src[l, n]`` of every layer back into the blocks of each chunk, one launch."""
-    _launch(caches, layout, block_ids, src, kernel_blocks_per_block, False, max_programs, block)
+    _launch(caches, layout, block_ids, src, kernel_blocks_per_block, False, max_programs, block, num_warps, group)
