@@ -13,6 +13,7 @@ runs with synchronous kernels.
 from __future__ import annotations
 
 import logging
+import os
 import queue as _queue
 import threading
 import time
@@ -139,6 +140,9 @@ class WorkerPipeline:
         self._writer = threading.Thread(target=self._writer_loop, name="tutti-writer", daemon=True)
         self._writer.start()
         self._closed = False
+        # TUTTI_TRACE=1: (event, layer, perf_counter) of reads submitted and layers made ready,
+        # to see the rolling load next to compute; bounded, off by default.
+        self.trace: list[tuple[str, int, float]] | None = [] if os.environ.get("TUTTI_TRACE") else None
 
     # ================================================================ step lifecycle
     def start_step(self, plan: StepPlan) -> None:
@@ -181,6 +185,8 @@ class WorkerPipeline:
             ev = self._layer_events.pop(layer, None)
             if ev is not None:
                 torch.cuda.current_stream(self.device).wait_event(ev)
+            if self.trace is not None and len(self.trace) < 100_000:
+                self.trace.append(("ready", layer, time.perf_counter()))
 
     def save_layer(self, layer: int) -> None:
         """After layer `layer` computed: gather its stores, and move the read window on."""
@@ -236,6 +242,8 @@ class WorkerPipeline:
                 reqs.append(IORequest(fd, off, self.ring.buffer, slot.offset + i * self.seg, self.seg, READ, tag=i))
             with nvtx_range(f"read.L{item.layer}"):
                 item.futures = submit_all(self.queue, reqs)
+            if self.trace is not None and len(self.trace) < 100_000:
+                self.trace.append(("read", item.layer, time.perf_counter()))
             self._next_submit += 1
 
     def _process(self, item: _LoadItem) -> None:
