@@ -68,10 +68,10 @@ def main(argv=None) -> dict:
     shutil.rmtree(a.root, ignore_errors=True)
     os.makedirs(a.root, exist_ok=True)
     seg = geom.segment_bytes
-    staging_slots = max(8, 2 * (a.lookahead + 2))
+    staging_slots = a.layers + a.lookahead + 2  # stores hold one slot per layer; loads roll through the rest
     cfg = {"root": a.root, "capacity_bytes": (a.chunks + 1) * geom.slot_bytes, "chunk_tokens": T,
            "io_backend": a.io_backend, "kernel_variant": a.kernel, "lookahead": a.lookahead,
-           "staging_slots": staging_slots, "max_inflight_stores": staging_slots - a.lookahead - 1,
+           "staging_slots": staging_slots, "max_inflight_stores": a.layers,
            "staging_bytes": staging_slots * a.chunks * seg}
     w = build_worker(cfg, geom, caches=caches, layout=layout)
     # store the chunks once through the pipeline itself

@@ -65,7 +65,8 @@ def connector_config(case: str, a) -> dict | None:
         return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
                 "kv_role": "kv_both", "kv_connector_extra_config": {
                     "root": root, "capacity_bytes": a.capacity, "chunk_tokens": 256,
-                    "staging_bytes": "1GiB", "staging_slots": 16, "max_inflight_stores": 12, "lookahead": 2}}
+                    "staging_bytes": a.staging, "staging_slots": 1024, "max_inflight_stores": 1000,
+                    "lookahead": 2}}
     if case == "offloading":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": a.capacity_int}}
@@ -205,18 +206,19 @@ def main() -> None:
     ap.add_argument("--model", default="")
     ap.add_argument("--tiny", action="store_true", help="a 4-layer model (a quick check)")
     ap.add_argument("--lengths", default="4096,16384,32768")
-    ap.add_argument("--cases", default="recompute,tutti_disk,tutti_shm,offloading,example")
+    ap.add_argument("--cases", default="recompute,tutti_shm,tutti_disk,offloading,example")
     ap.add_argument("--disk-root", default="/tmp/tutti-ttft-disk")
     ap.add_argument("--shm-root", default="/dev/shm/tutti-ttft")
     ap.add_argument("--example-root", default="/dev/shm/example-ttft")
     ap.add_argument("--capacity", default="24GiB")
+    ap.add_argument("--staging", default="8GiB", help="tutti's pinned host staging (a 32k-token prompt of an 8B model is 4 GiB)")
     ap.add_argument("--gpu-mem", type=float, default=0.6)
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-prompt", type=int, default=2048)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--drop-caches", action="store_true", default=True)
     ap.add_argument("--kernel-config", action="store_true", default=True)
-    ap.add_argument("--timeout", type=int, default=420)
+    ap.add_argument("--timeout", type=int, default=170)
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
     from tutti.engine.config import parse_bytes
@@ -234,7 +236,7 @@ def main() -> None:
     for case in a.cases.split(","):
         cmd = [sys.executable, __file__, "--case", case, "--model", a.model, "--lengths", ",".join(map(str, a.lengths)),
                "--disk-root", a.disk_root, "--shm-root", a.shm_root, "--example-root", a.example_root,
-               "--capacity", a.capacity, "--gpu-mem", str(a.gpu_mem), "--decode-batch", str(a.decode_batch),
+               "--capacity", a.capacity, "--staging", a.staging, "--gpu-mem", str(a.gpu_mem), "--decode-batch", str(a.decode_batch),
                "--decode-prompt", str(a.decode_prompt), "--decode-tokens", str(a.decode_tokens)]
         t0 = time.time()
         try:

@@ -226,6 +226,28 @@ def test_full_staging_skips_stores_and_counts_them(tmp_path):
     w.close()
 
 
+def test_stores_admitted_only_as_far_as_staging_holds_every_layer(tmp_path):
+    caches = make_caches(0)
+    # 8 slots; stores may hold 3 = one slot per layer for one group: the first group fits
+    w = worker(tmp_path, caches, staging_slots=8, max_inflight_stores=3, staging_bytes=8 * 16384)
+    per_slot = w.per_slot
+    many = [StoreChunk("r", bytes([i]) * 32, i, (2 * i, 2 * i + 1), ticket=i + 1) for i in range(per_slot + 2)]
+    run_step(w, StepPlan(1, stores=many))
+    w.flush()
+    rep = w.take_report()
+    assert sorted(rep.stored) == [s.ticket for s in many[:per_slot]]
+    assert sorted(rep.store_failed) == [s.ticket for s in many[per_slot:]] and rep.stores_skipped == 2
+    # the admitted chunks are whole: they load back bit-exact
+    dst = make_caches(1)
+    w.close()
+    w = worker(tmp_path, dst)
+    run_step(w, StepPlan(2, loads=[LoadChunk("q", many[0].key, 0, (20, 21))]))
+    assert w.take_failed_blocks() == set()
+    for s, d in zip(caches, dst):
+        assert torch.equal(d[[20, 21]], s[[0, 1]])
+    w.close()
+
+
 def test_second_writer_on_one_root_is_refused(tmp_path):
     w = worker(tmp_path, make_caches(0))
     with pytest.raises(Exception, match="(?i)lock|in use|writer"):

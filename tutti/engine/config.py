@@ -33,9 +33,11 @@ class EngineConfig:
     io_backend: str = "auto"
     kernel_variant: str = "auto"
     lookahead: int = 2  # layers read ahead of the layer being computed
-    staging_bytes: int = 256 << 20  # host staging ring (pinned where CUDA exists)
-    staging_slots: int = 16
-    max_inflight_stores: int = 12  # staging slots stores may hold; beyond it stores are skipped
+    # Host staging ring (pinned where CUDA exists), cut into equal slots. A store holds one slot
+    # per layer per group of chunks from its step until written; what does not fit is skipped.
+    staging_bytes: int = 512 << 20
+    staging_slots: int = 64
+    max_inflight_stores: int = 48  # slots stores may hold; the rest serve the rolling loads
     verify_checksums: bool = True
     slots_per_slab: int = 64
     store_decode: bool = False  # also store chunks completed by generated tokens

@@ -135,6 +135,7 @@ class WorkerPipeline:
         self._tk_lock = threading.RLock()  # tickets and per-request counts: main and writer threads
         self._gathered = 0  # layers gathered for the active stores this step
         self._free_pending: list[int] = []
+        self._reserved: list[StagingSlot] = []  # store slots held for the rest of this step's layers
         # writer thread
         self._jobs: _queue.Queue[_StoreJob | Callable[[], None] | None] = _queue.Queue()
         self._writer = threading.Thread(target=self._writer_loop, name="tutti-writer", daemon=True)
@@ -210,6 +211,7 @@ class WorkerPipeline:
             self._fail_tickets(self._store_active, f"only {self._gathered} of {self.num_layers} layers gathered")
             if self._free_pending:
                 self._free_pending = []
+        self._release_reserved()
         if self.cuda and self._store_events:
             cur = torch.cuda.current_stream(self.device)
             for ev in self._store_events:
@@ -354,13 +356,28 @@ class WorkerPipeline:
 
     # ================================================================ stores
     def _begin_stores(self, stores: list[StoreChunk]) -> list[StoreChunk]:
+        """Admit as many of the step's stores as the staging ring can hold for every layer.
+
+        The slots for all layers are reserved now, so a store admitted here never runs out of
+        staging halfway through the forward pass; what does not fit is skipped and counted
+        (a future miss), and the forward pass never waits for the disk.
+        """
+        self._release_reserved()
         if not stores:
             return []
-        groups = -(-len(stores) // self.per_slot)
         with self._slot_lock:
-            ok = self._store_slots_used + groups <= self.cfg.max_inflight_stores and self.ring.free_count >= groups
-        if not ok:
-            self._skip(stores, "staging ring full")
+            budget = min(self.cfg.max_inflight_stores - self._store_slots_used, self.ring.free_count)
+            groups = min(-(-len(stores) // self.per_slot), max(0, budget) // self.num_layers)
+            admit = min(len(stores), groups * self.per_slot)
+            for _ in range(groups * self.num_layers):
+                slot = self.ring.try_acquire()
+                assert slot is not None
+                self._reserved.append(slot)
+            self._store_slots_used += len(self._reserved)
+        if admit < len(stores):
+            self._skip(stores[admit:], "staging ring full")
+            stores = stores[:admit]
+        if not stores:
             return []
         with self._entries_lock:
             for st in stores:
@@ -381,20 +398,19 @@ class WorkerPipeline:
             self._report.stores_skipped += len(stores)
             self._report.store_failed.extend(st.ticket for st in stores)
 
+    def _release_reserved(self) -> None:
+        """Give back store slots reserved for layers whose hooks never ran."""
+        for slot in self._reserved:
+            self.ring.release(slot)
+            with self._slot_lock:
+                self._store_slots_used -= 1
+        self._reserved = []
+
     def _gather_layer(self, layer: int) -> None:
         stores = self._store_active
         jobs = []
         for i in range(0, len(stores), self.per_slot):
-            group = stores[i:i + self.per_slot]
-            with self._slot_lock:
-                slot = self.ring.try_acquire() if self._store_slots_used < self.cfg.max_inflight_stores else None
-                if slot is not None:
-                    self._store_slots_used += 1
-            if slot is None:  # ran out mid-step: these chunks cannot complete
-                self._fail_tickets(stores[i:], "staging ring full")
-                self._store_active = stores[:i]
-                break
-            jobs.append((group, slot))
+            jobs.append((stores[i:i + self.per_slot], self._reserved.pop()))
         for group, slot in jobs:
             n = len(group)
             ids = torch.tensor([st.block_ids for st in group], dtype=torch.int64, device=self.device)
