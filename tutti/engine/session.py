@@ -71,6 +71,29 @@ class Geometry:
                               self.num_layers * self.pp_size, self.tp_size, self.pp_size)
 
 
+def fs_type(path: str) -> str:
+    """The file system type of `path` (its nearest existing ancestor), from /proc/mounts."""
+    import os
+
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and p != os.path.dirname(p):
+        p = os.path.dirname(p)
+    p = os.path.realpath(p)
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
 def check_capacity(cfg: EngineConfig, geom: Geometry) -> int:
     num_slots = cfg.capacity_bytes // geom.slot_bytes
     if num_slots < 1:
@@ -129,7 +152,13 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
     if variant == "auto":
         variant = "triton" if caches[0].is_cuda else "torch"
     kernel = get_variant(variant)
-    q = open_queue(cfg.io_backend)
+    backend = cfg.io_backend
+    if backend == "auto" and all(fs_type(r) in ("tmpfs", "ramfs") for r in cfg.roots):
+        # On RAM file systems io_uring punts every request to its io-wq workers and copies
+        # through the page cache: the thread pool measured 3.3x faster on the H200 machine
+        # (/dev/shm, 1 MiB reads: 11.6 against 3.5 GB/s), so it is the default there.
+        backend = "threads"
+    q = open_queue(backend)
     store = ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
                        slots_per_slab=cfg.slots_per_slab, open_file=lambda p, w: q.open_file(p, write=w, create=w))
     try:

@@ -275,9 +275,9 @@ class WorkerPipeline:
                 slot.device[: n * self.seg].copy_(slot.host[: n * self.seg], non_blocking=True)
                 src = slot.device[: n * self.seg].view(n, self.seg)
         if good and self.cfg.verify_checksums:
-            idx = torch.tensor([i for i, _ in good], device=src.device)
             with (torch.cuda.stream(self.load_stream) if self.cuda else nullcontext()):
-                sums = self.checksum(src.index_select(0, idx)).tolist()  # syncs the load stream on CUDA
+                rows = src if len(good) == n else src.index_select(0, self._index([i for i, _ in good]))
+                sums = self.checksum(rows).tolist()  # waits for the load stream only
             still = []
             for (i, ld), got in zip(good, sums):
                 with self._entries_lock:
@@ -293,9 +293,8 @@ class WorkerPipeline:
             with (torch.cuda.stream(self.load_stream) if self.cuda else nullcontext()), nvtx_range(f"scatter.L{item.layer}"):
                 full = [(i, ld) for i, ld in good if ld.skip_blocks == 0]
                 if full:
-                    rows = torch.tensor([i for i, _ in full], device=src.device)
-                    ids = torch.tensor([ld.block_ids for _, ld in full], dtype=torch.int64, device=src.device)
-                    seg_view = src if len(full) == n else src.index_select(0, rows)
+                    ids = self._index([ld.block_ids for _, ld in full])
+                    seg_view = src if len(full) == n else src.index_select(0, self._index([i for i, _ in full]))
                     self.kernel.scatter([self.caches[item.layer]], self.layout, ids, seg_view.unsqueeze(0),
                                         kernel_blocks_per_block=self.kbpb)
                 for i, ld in good:
@@ -320,9 +319,19 @@ class WorkerPipeline:
         need = -(-(n_tok * tok_bytes) // 4096) * 4096
         part = torch.zeros(need, dtype=torch.uint8, device=seg.device)
         part[: n_tok * tok_bytes].copy_(seg[t0 * tok_bytes: self.chunk_tokens * tok_bytes])
-        ids = torch.tensor([ld.block_ids[ld.skip_blocks:]], dtype=torch.int64, device=seg.device)
+        ids = self._index([ld.block_ids[ld.skip_blocks:]])
         self.kernel.scatter([self.caches[layer]], self.layout, ids, part.view(1, 1, need),
                             kernel_blocks_per_block=self.kbpb)
+
+    def _index(self, values) -> torch.Tensor:
+        """A small int64 index on the device, copied from pinned memory on the CURRENT stream
+        without blocking the host: a plain torch.tensor(..., device='cuda') is a pageable copy
+        on whatever stream is current and makes the host wait for it, which on the compute
+        stream serializes the pipeline with the forward pass."""
+        t = torch.tensor(values, dtype=torch.int64)
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @property
     def seg_token_bytes(self) -> int:
@@ -413,13 +422,13 @@ class WorkerPipeline:
             jobs.append((stores[i:i + self.per_slot], self._reserved.pop()))
         for group, slot in jobs:
             n = len(group)
-            ids = torch.tensor([st.block_ids for st in group], dtype=torch.int64, device=self.device)
             ready = None
             if self.cuda:
                 compute_done = torch.cuda.Event()
                 compute_done.record(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.store_stream):
                     self.store_stream.wait_event(compute_done)
+                    ids = self._index([st.block_ids for st in group])
                     dev = slot.device[: n * self.seg].view(1, n, self.seg)
                     self.kernel.gather([self.caches[layer]], self.layout, ids, dev, kernel_blocks_per_block=self.kbpb)
                     sums = self.checksum(dev[0])
@@ -432,6 +441,7 @@ class WorkerPipeline:
                     ready.record(self.store_stream)
                 checks: list[int] | torch.Tensor = sums_host
             else:
+                ids = self._index([st.block_ids for st in group])
                 out = slot.host[: n * self.seg].view(1, n, self.seg)
                 self.kernel.gather([self.caches[layer]], self.layout, ids, out, kernel_blocks_per_block=self.kbpb)
                 checks = self.checksum(out[0]).tolist()
