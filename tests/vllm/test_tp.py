@@ -198,3 +198,28 @@ def test_vllm_aggregates_tp_worker_outputs_the_way_the_planner_counts():
     out = step((WorkerReport(), None, set()), (WorkerReport(), {"r"}, set()))
     assert out.finished_sending == {"r"}
     assert planner.stats.stores_committed == 2
+
+
+def test_mla_geometry_from_vllm_config_is_stored_once():
+    """The connector's geometry for an MLA model marks the latent as replicated over TP ranks:
+    every rank maps to TP rank 0's namespace, and only TP rank 0 writes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tutti.vllm import compat
+
+    def cfg(use_mla):
+        mc = SimpleNamespace(model="m", dtype=torch.bfloat16, use_mla=use_mla, get_head_size=lambda: 576,
+                             get_num_kv_heads=lambda pc: 1 if use_mla else 4, get_num_layers=lambda pc: 3)
+        return SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto", block_size=64),
+                               parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
+
+    mla = compat.geometry(cfg(True), 256)
+    assert mla.kv_replicated and (mla.num_heads, mla.content_bytes) == (1, 576 * 2)
+    ranks = [mla.for_rank(tp) for tp in range(2)]
+    assert [g.writes for g in ranks] == [True, False] and mla.num_writers == 1
+    assert ranks[0].fingerprint() == ranks[1].fingerprint() and ranks[1].fingerprint().tp_rank == 0
+    mha = compat.geometry(cfg(False), 256)
+    assert not mha.kv_replicated and mha.num_writers == 2
+    assert mha.for_rank(0).fingerprint() != mha.for_rank(1).fingerprint()
