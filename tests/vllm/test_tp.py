@@ -105,8 +105,11 @@ def reloaded(tiny_model, stored, tmp_path_factory):
     shutil.copytree(root, root2)
     before = rank_entries(root2)
     slot0 = min(before[1])  # the prompt's first chunk
-    with rank_stores(root2)[1] as st:
-        path, (_, off), seg_bytes = st.slab_path(slot0), st.location(slot0, 1), st.segment_bytes
+    stores = rank_stores(root2)
+    st = stores[1]
+    path, (_, off), seg_bytes = st.slab_path(slot0), st.location(slot0, 1), st.segment_bytes
+    for st in stores.values():
+        st.close()
     loaded, corrupted = tp_run(tiny_model, root2, [p], corrupt=(path, off + 1000))
     return dict(root=root2, before=before, slot0=slot0, seg_bytes=seg_bytes, loaded=loaded, corrupted=corrupted)
 
