@@ -62,7 +62,8 @@ class _Ticket:
 
 class Planner:
     def __init__(self, *, num_slots: int, chunk_tokens: int, block_size: int, seed: bytes,
-                 num_workers: int = 1, slot_bytes: int = 0, store_decode: bool = False) -> None:
+                 num_workers: int = 1, slot_bytes: int = 0, store_decode: bool = False,
+                 num_writers: int | None = None) -> None:
         if chunk_tokens % block_size:
             raise ValueError(
                 f"chunk_tokens={chunk_tokens}: must be a multiple of vLLM's block_size={block_size}; "
@@ -73,7 +74,12 @@ class Planner:
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size
         self.seed = seed
-        self.num_workers = num_workers
+        self.num_workers = num_workers  # every worker reports each step's loads done
+        # Workers that store each chunk: all ranks hold a shard, so a chunk is resident once all
+        # of them committed it (fewer under MLA, where TP rank 0 alone stores the shared latent).
+        self.num_writers = num_workers if num_writers is None else num_writers
+        if not 1 <= self.num_writers <= num_workers:
+            raise ValueError(f"num_writers={num_writers}: expected 1 <= num_writers <= num_workers={num_workers}")
         self.slot_bytes = slot_bytes
         self.store_decode = store_decode
         self.stats = PlannerStats()
@@ -246,8 +252,8 @@ class Planner:
             tk = self._tickets.get(t)
             if tk is None:
                 continue
-            tk.ok += 1
-            if tk.ok >= self.num_workers:
+            tk.ok += 1  # vLLM's KVOutputAggregator concatenates every worker's report: one entry per rank
+            if tk.ok >= self.num_writers:
                 del self._tickets[t]
                 if self.index.commit(tk.key):
                     s.stores_committed += 1

@@ -36,6 +36,30 @@ class Geometry:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    # MLA: the latent cache is the same on every TP rank, so it is stored once (by TP rank 0,
+    # in TP rank 0's namespace) and every TP rank reads it from there.
+    kv_replicated: bool = False
+
+    @property
+    def store_tp_rank(self) -> int:
+        """The TP rank whose namespace holds this rank's chunks."""
+        return 0 if self.kv_replicated else self.tp_rank
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank stores chunks (and so owns, and locks, its namespace)."""
+        return self.store_tp_rank == self.tp_rank
+
+    @property
+    def num_writers(self) -> int:
+        """Ranks that must commit a chunk before it is resident."""
+        return self.pp_size if self.kv_replicated else self.num_workers
+
+    @property
+    def store_ranks(self) -> list[tuple[int, int, int]]:
+        """(tp_rank, pp_rank, global rank) of every rank that owns a namespace."""
+        tps = [0] if self.kv_replicated else range(self.tp_size)
+        return [(tp, pp, pp * self.tp_size + tp) for pp in range(self.pp_size) for tp in tps]
 
     @property
     def segment_bytes(self) -> int:
@@ -60,7 +84,7 @@ class Geometry:
             model=self.model, cache_dtype=self.cache_dtype, format_version=FORMAT_VERSION,
             chunk_tokens=self.chunk_tokens, num_layers=self.num_layers, num_heads=self.num_heads,
             content_bytes=self.content_bytes, segment_bytes=self.segment_bytes,
-            tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+            tp_rank=self.store_tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
         )
 
     def seed(self) -> bytes:
@@ -113,23 +137,21 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
     num_slots = check_capacity(cfg, geom)
     planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
                       seed=geom.seed(), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
-                      store_decode=cfg.store_decode)
+                      store_decode=cfg.store_decode, num_writers=geom.num_writers)
     per_rank = []
-    for pp in range(geom.pp_size):
-        for tp in range(geom.tp_size):
-            rank = pp * geom.tp_size + tp
-            rcfg = EngineConfig.from_dict(raw_config, rank=rank)
-            try:
-                store = ChunkStore(list(rcfg.roots), geom.for_rank(tp, pp).fingerprint(),
-                                   capacity_bytes=cfg.capacity_bytes, writer=False,
-                                   slots_per_slab=cfg.slots_per_slab)
-            except FileNotFoundError:
-                per_rank.append({})
-                continue
-            try:
-                per_rank.append({slot: e.key for slot, e in store.entries().items()})
-            finally:
-                store.close()
+    for tp, pp, rank in geom.store_ranks:
+        rcfg = EngineConfig.from_dict(raw_config, rank=rank)
+        try:
+            store = ChunkStore(list(rcfg.roots), geom.for_rank(tp, pp).fingerprint(),
+                               capacity_bytes=cfg.capacity_bytes, writer=False,
+                               slots_per_slab=cfg.slots_per_slab)
+        except FileNotFoundError:
+            per_rank.append({})
+            continue
+        try:
+            per_rank.append({slot: e.key for slot, e in store.entries().items()})
+        finally:
+            store.close()
     planner.rebuild(rebuild_entries(per_rank))
     return planner
 
@@ -159,13 +181,65 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
         # (/dev/shm, 1 MiB reads: 11.6 against 3.5 GB/s), so it is the default there.
         backend = "threads"
     q = open_queue(backend)
-    store = ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
-                       slots_per_slab=cfg.slots_per_slab, open_file=lambda p, w: q.open_file(p, write=w, create=w))
+    open_file = lambda p, w: q.open_file(p, write=w, create=w)  # noqa: E731
+    if geom.writes:
+        store = ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
+                           slots_per_slab=cfg.slots_per_slab, open_file=open_file)
+    else:  # read the writer rank's namespace, under the writer rank's roots
+        wcfg = EngineConfig.from_dict(raw_config, rank=rank - geom.tp_rank + geom.store_tp_rank)
+        store = ReplicaReader(list(wcfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes,
+                              slots_per_slab=cfg.slots_per_slab, open_file=open_file)
     try:
         return WorkerPipeline(cfg, caches=caches, layout=layout, store=store, io_queue=q, kernel=kernel,
                               checksum=segment_checksum, segment_bytes=geom.segment_bytes,
-                              chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block)
+                              chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block,
+                              writes=geom.writes)
     except Exception:
         store.close()
         q.close()
         raise
+
+
+class ReplicaReader:
+    """A read-only view of another rank's namespace, opened once that rank has created it.
+
+    The ranks start together, so the writer's namespace may not exist yet when a reader starts:
+    until it does, the reader holds nothing (every planned load is a miss it reports).
+    """
+
+    def __init__(self, roots: list[str], fingerprint, *, capacity_bytes: int, slots_per_slab: int | None,
+                 open_file) -> None:
+        self._args = dict(capacity_bytes=capacity_bytes, writer=False, slots_per_slab=slots_per_slab,
+                          open_file=open_file)
+        self._roots, self.fingerprint = roots, fingerprint
+        self._store = None
+        self._open()
+
+    def _open(self):
+        from tutti.io.store import ChunkStore
+
+        if self._store is None:
+            try:
+                self._store = ChunkStore(self._roots, self.fingerprint, **self._args)
+            except FileNotFoundError:
+                return None
+        return self._store
+
+    def entries(self) -> dict:
+        return self._store.entries() if self._store is not None else {}
+
+    def refresh(self) -> None:
+        if self._store is not None:
+            self._store.refresh()
+        else:
+            self._open()  # opening replays the journal
+
+    def location(self, slot: int, layer: int = 0) -> tuple[int, int]:
+        if self._store is None:
+            raise RuntimeError("ReplicaReader.location: the writer's namespace is not open (no entries yet)")
+        return self._store.location(slot, layer)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None

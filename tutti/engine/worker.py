@@ -74,8 +74,12 @@ class WorkerPipeline:
 
     def __init__(self, cfg: EngineConfig, *, caches: Sequence[torch.Tensor], layout, store, io_queue: IOQueue,
                  kernel, checksum: Callable[[torch.Tensor], torch.Tensor], segment_bytes: int,
-                 chunk_tokens: int, kernel_blocks_per_block: int = 1, staging: torch.Tensor | None = None) -> None:
+                 chunk_tokens: int, kernel_blocks_per_block: int = 1, staging: torch.Tensor | None = None,
+                 writes: bool = True) -> None:
         self.cfg = cfg
+        # False on a rank that only reads another rank's namespace (MLA under tensor parallelism:
+        # the latent cache is the same on every TP rank, so TP rank 0 alone stores it).
+        self.writes = writes
         self.caches = list(caches)
         self.num_layers = len(self.caches)
         self.layout = layout
@@ -121,6 +125,7 @@ class WorkerPipeline:
         self._next_process = 0
         self._failed_keys: set[bytes] = set()
         self._failed_blocks: set[int] = set()
+        self._refreshed = False  # a reader replayed the writer's journal during this step
         self._layer_events: dict[int, object] = {}
         self._store_active: list[StoreChunk] = []
         self._store_events: list[object] = []
@@ -153,10 +158,10 @@ class WorkerPipeline:
         self._layer_events = {}
         self._items = []
         self._next_submit = self._next_process = 0
+        self._refreshed = False
         loads = []
         for ld in plan.loads:
-            with self._entries_lock:
-                entry = self._entries.get(ld.slot)
+            entry = self._entry(ld)
             if entry is None or entry[0] != ld.key:
                 self._fail_load(ld, "not in this worker's store")
             else:
@@ -222,6 +227,20 @@ class WorkerPipeline:
         self._store_active = []
 
     # ================================================================ loads
+    def _entry(self, ld: LoadChunk, stale: bool = False) -> tuple[bytes, tuple[int, ...]] | None:
+        """The journaled (key, checksums) of `ld.slot`. A reader follows another rank's writer, so
+        when its copy does not match the plan (or is `stale`) it replays that journal once a step."""
+        with self._entries_lock:
+            entry = self._entries.get(ld.slot)
+        if not self.writes and not self._refreshed and (stale or entry is None or entry[0] != ld.key):
+            self._refreshed = True
+            self.store.refresh()
+            fresh = {s: (e.key, tuple(e.checksums)) for s, e in self.store.entries().items()}
+            with self._entries_lock:
+                self._entries = fresh
+                entry = self._entries.get(ld.slot)
+        return entry
+
     def _pump(self, max_layer: int) -> None:
         """Submit reads for queued items up to `max_layer` while load slots are free."""
         while self._next_submit < len(self._items):
@@ -280,9 +299,11 @@ class WorkerPipeline:
                 sums = self.checksum(rows).tolist()  # waits for the load stream only
             still = []
             for (i, ld), got in zip(good, sums):
-                with self._entries_lock:
-                    entry = self._entries.get(ld.slot)
+                entry = self._entry(ld)
                 want = entry[1][item.layer] if entry and entry[0] == ld.key else None
+                if want is not None and (int(got) & _U64) != int(want) and not self.writes:
+                    entry = self._entry(ld, stale=True)  # the writer may have stored it again since
+                    want = entry[1][item.layer] if entry and entry[0] == ld.key else None
                 if want is None or (int(got) & _U64) != int(want):
                     self._fail_load(ld, f"checksum mismatch in layer {item.layer} (stored {want}, read {int(got) & _U64})")
                     self._forget_slot(ld)
@@ -351,6 +372,8 @@ class WorkerPipeline:
         with self._entries_lock:
             if self._entries.get(ld.slot, (None,))[0] == ld.key:
                 del self._entries[ld.slot]
+        if not self.writes:
+            return  # the writer reads the same bytes, finds them corrupt too and journals the slot free
 
         def free() -> None:
             self.store.record_free([ld.slot])
@@ -373,6 +396,12 @@ class WorkerPipeline:
         """
         self._release_reserved()
         if not stores:
+            return []
+        with self._tk_lock:
+            # The scheduler holds these requests' blocks until every worker reports them finished
+            # (vLLM counts finished_sending per worker), whether this worker stores, skips or only reads.
+            self._req_had_stores.update(st.req_id for st in stores)
+        if not self.writes:
             return []
         with self._slot_lock:
             budget = min(self.cfg.max_inflight_stores - self._store_slots_used, self.ring.free_count)

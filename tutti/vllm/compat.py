@@ -75,7 +75,7 @@ def geometry(vllm_config: Any, chunk_tokens: int) -> Geometry:
         model=str(mc.model), cache_dtype=dtype_name, chunk_tokens=chunk_tokens,
         block_size=int(vllm_config.cache_config.block_size), num_layers=mc.get_num_layers(pc),
         num_heads=heads, content_bytes=content, tp_size=pc.tensor_parallel_size,
-        pp_size=pc.pipeline_parallel_size,
+        pp_size=pc.pipeline_parallel_size, kv_replicated=mla,
     )
 
 
