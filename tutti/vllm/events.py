@@ -148,7 +148,12 @@ def expand_topic(topic: str, model: str) -> str:
 
 class EventPublisher:
     """tutti's own KV event stream: a vLLM ZmqEventPublisher (same wire format, replay buffer,
-    sequence numbers) fed from take_events()."""
+    sequence numbers, data-parallel port offset) fed from take_events().
+
+    Like any ZMQ PUB, batches sent before a subscriber's subscription has reached the socket
+    are dropped; subscribers detect gaps by sequence number and can ask the replay endpoint
+    (`replay_endpoint`) for them.
+    """
 
     def __init__(self, endpoint: str, *, topic: str = "", data_parallel_rank: int = 0,
                  replay_endpoint: str | None = None) -> None:
