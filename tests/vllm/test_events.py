@@ -94,7 +94,19 @@ class Subscriber:
         self._thread.join(timeout=5)
 
 
-def test_stored_and_removed_events_reach_zmq_subscribers(tiny_model, tmp_path):
+@pytest.fixture
+def fresh_kv_agent():
+    """vLLM keeps the worker connector in a process global that only a clean engine shutdown
+    clears: an engine that failed at start-up (test_connector's bad-config cases) leaves its
+    connector, with its config, for the next engine in the process. Start and end clean."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()
+    yield
+    ensure_kv_transfer_shutdown()
+
+
+def test_stored_and_removed_events_reach_zmq_subscribers(tiny_model, tmp_path, fresh_kv_agent):
     from vllm.config import KVEventsConfig
     from vllm.distributed.kv_events import MEDIUM_STORAGE
 
