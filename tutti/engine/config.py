@@ -25,6 +25,24 @@ def parse_bytes(key: str, value: Any) -> int:
     raise ValueError(f"{key}={value!r}: expected a byte count such as 1073741824 or '64GiB'")
 
 
+def check_zmq_endpoint(value: Any) -> str:
+    """'tcp://host:port' (host '*' binds), 'ipc://path' or 'inproc://name'; '' turns events off."""
+    key = "kv_connector_extra_config.kv_events_endpoint"
+    if not isinstance(value, str):
+        raise ValueError(f"{key}={value!r}: expected a ZMQ endpoint string such as 'tcp://*:5557'")
+    if value == "":
+        return value
+    m = re.fullmatch(r"tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):([0-9]+)", value)
+    if m:
+        if not 0 <= int(m.group(2)) <= 65535:
+            raise ValueError(f"{key}={value!r}: port {m.group(2)} is not in [0, 65535]")
+        return value
+    if re.fullmatch(r"(ipc|inproc)://.+", value):
+        return value
+    raise ValueError(f"{key}={value!r}: expected 'tcp://HOST:PORT' (HOST '*' to bind, e.g. 'tcp://*:5557'; "
+                     "a host name or IP to connect, e.g. 'tcp://indexer:5557'), 'ipc://PATH' or 'inproc://NAME'")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     roots: tuple[str, ...]
@@ -41,6 +59,10 @@ class EngineConfig:
     verify_checksums: bool = True
     slots_per_slab: int = 64
     store_decode: bool = False  # also store chunks completed by generated tokens
+    # Publish tutti's KV events (BlockStored/BlockRemoved, medium STORAGE) on this ZMQ endpoint
+    # in vLLM's wire format; "" = off (events still go through vLLM's --kv-events-config).
+    kv_events_endpoint: str = ""
+    kv_events_topic: str = ""  # ZMQ topic; llm-d expects "kv@<pod>@<model>"; {host}, {model} expand
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -98,6 +120,14 @@ class EngineConfig:
                 raise ValueError(f"kv_connector_extra_config.kernel_variant={v!r}: expected a registered variant "
                                  "name ('auto', 'triton', 'torch') or 'package.module:function'")
             kw["kernel_variant"] = v
+        if "kv_events_endpoint" in raw:
+            kw["kv_events_endpoint"] = check_zmq_endpoint(raw.pop("kv_events_endpoint"))
+        if "kv_events_topic" in raw:
+            v = raw.pop("kv_events_topic")
+            if not isinstance(v, str):
+                raise ValueError(f"kv_connector_extra_config.kv_events_topic={v!r}: expected a string such as "
+                                 "\"kv@{host}@{model}\"")
+            kw["kv_events_topic"] = v
         cfg = cls(**kw)
         cfg.validate()
         return cfg

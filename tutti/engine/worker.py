@@ -12,6 +12,7 @@ runs with synchronous kernels.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue as _queue
@@ -31,14 +32,35 @@ from tutti.io.queue import READ, WRITE, IOFuture, IOQueue, IORequest, submit_all
 
 log = logging.getLogger("tutti.engine")
 
-_U64 = (1 << 64) - 1  # checksums are journaled as unsigned 64-bit values
+_U64 = (1 << 64) - 1
+_STAT_FIELDS = ("bytes_loaded", "load_seconds", "bytes_stored", "store_seconds", "stores_skipped")  # checksums are journaled as unsigned 64-bit values
 
 
-def nvtx_range(name: str):
-    """An NVTX range (domain 'tutti') around a pipeline stage where CUDA is present."""
-    if torch.cuda.is_available():
-        return torch.cuda.nvtx.range(f"tutti:{name}")
-    return nullcontext()
+_NULL = nullcontext()
+
+
+@functools.cache
+def _nvtx_backend():
+    """How ranges are emitted, decided once: None on the CPU (ranges are free no-ops), the `nvtx`
+    package's domain 'tutti' where it is installed, else torch.cuda.nvtx with a 'tutti:' message
+    prefix (torch has no domain argument; filter on the prefix in Nsight)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import nvtx  # type: ignore[import-not-found]
+
+        return functools.partial(nvtx.annotate, domain="tutti")
+    except ImportError:
+        return lambda msg: torch.cuda.nvtx.range(f"tutti:{msg}")
+
+
+def nvtx_range(stage: str, layer: int | None = None):
+    """An NVTX range around a pipeline stage (`read.L3`, `scatter.L3`, ...) where CUDA is
+    present; on the CPU a shared null context, with no string formatting."""
+    emit = _nvtx_backend()
+    if emit is None:
+        return _NULL
+    return emit(stage if layer is None else f"{stage}.L{layer}")
 
 
 @dataclass
@@ -136,6 +158,9 @@ class WorkerPipeline:
         # report
         self._report = WorkerReport()
         self._report_lock = threading.Lock()
+        # The same counters for vLLM's connector stats (get_kv_connector_stats), taken apart
+        # from the report: vLLM asks for stats and for the report at different times.
+        self._stats: dict[str, float] = dict.fromkeys(_STAT_FIELDS, 0)
         self._tickets: dict[int, _Ticket] = {}
         self._tk_lock = threading.RLock()  # tickets and per-request counts: main and writer threads
         self._gathered = 0  # layers gathered for the active stores this step
@@ -182,7 +207,7 @@ class WorkerPipeline:
         """Before layer `layer` computes: its KV is in the cache (or its blocks marked failed)."""
         if not self._items:
             return
-        with nvtx_range(f"load.L{layer}"):
+        with nvtx_range("load_wait", layer):
             while self._next_process < len(self._items) and self._items[self._next_process].layer <= layer:
                 self._pump(self._items[self._next_process].layer)
                 self._process(self._items[self._next_process])
@@ -199,15 +224,14 @@ class WorkerPipeline:
         if self._items:
             self._pump(layer + self.cfg.lookahead)
         if self._store_active:
-            with nvtx_range(f"gather.L{layer}"):
+            with nvtx_range("gather", layer):
                 self._gather_layer(layer)
 
     def end_step(self) -> None:
         """Every load of the step finished; gathers read the cache before it can change."""
         if self._items:
             self.wait_layer(self.num_layers - 1)
-            with self._report_lock:
-                self._report.load_seconds += time.perf_counter() - self._load_t0
+            self._count(load_seconds=time.perf_counter() - self._load_t0)
         if self._plan is not None:
             with self._report_lock:
                 self._report.steps_done.append(self._plan.step)
@@ -218,9 +242,10 @@ class WorkerPipeline:
                 self._free_pending = []
         self._release_reserved()
         if self.cuda and self._store_events:
-            cur = torch.cuda.current_stream(self.device)
-            for ev in self._store_events:
-                cur.wait_event(ev)
+            with nvtx_range("gather_wait"):
+                cur = torch.cuda.current_stream(self.device)
+                for ev in self._store_events:
+                    cur.wait_event(ev)
         self._store_events = []
         self._items = []
         self._plan = None
@@ -261,7 +286,7 @@ class WorkerPipeline:
                     continue
                 fd, off = self.store.location(ld.slot, item.layer)
                 reqs.append(IORequest(fd, off, self.ring.buffer, slot.offset + i * self.seg, self.seg, READ, tag=i))
-            with nvtx_range(f"read.L{item.layer}"):
+            with nvtx_range("read", item.layer):
                 item.futures = submit_all(self.queue, reqs)
             if self.trace is not None and len(self.trace) < 100_000:
                 self.trace.append(("read", item.layer, time.perf_counter()))
@@ -272,12 +297,13 @@ class WorkerPipeline:
         assert slot is not None
         good: list[tuple[int, LoadChunk]] = []
         errors = {}
-        for fut in item.futures:
-            i = fut.request.tag
-            try:
-                fut.result()
-            except OSError as exc:
-                errors[i] = exc
+        with nvtx_range("io_wait", item.layer):
+            for fut in item.futures:
+                i = fut.request.tag
+                try:
+                    fut.result()
+                except OSError as exc:
+                    errors[i] = exc
         for i, ld in enumerate(item.chunks):
             if ld.key in self._failed_keys:
                 continue
@@ -294,7 +320,7 @@ class WorkerPipeline:
                 slot.device[: n * self.seg].copy_(slot.host[: n * self.seg], non_blocking=True)
                 src = slot.device[: n * self.seg].view(n, self.seg)
         if good and self.cfg.verify_checksums:
-            with (torch.cuda.stream(self.load_stream) if self.cuda else nullcontext()):
+            with (torch.cuda.stream(self.load_stream) if self.cuda else nullcontext()), nvtx_range("verify", item.layer):
                 rows = src if len(good) == n else src.index_select(0, self._index([i for i, _ in good]))
                 sums = self.checksum(rows).tolist()  # waits for the load stream only
             still = []
@@ -311,7 +337,7 @@ class WorkerPipeline:
                     still.append((i, ld))
             good = still
         if good:
-            with (torch.cuda.stream(self.load_stream) if self.cuda else nullcontext()), nvtx_range(f"scatter.L{item.layer}"):
+            with (torch.cuda.stream(self.load_stream) if self.cuda else nullcontext()), nvtx_range("scatter", item.layer):
                 full = [(i, ld) for i, ld in good if ld.skip_blocks == 0]
                 if full:
                     ids = self._index([ld.block_ids for _, ld in full])
@@ -321,8 +347,7 @@ class WorkerPipeline:
                 for i, ld in good:
                     if ld.skip_blocks:
                         self._scatter_partial(item.layer, src[i], ld)
-            with self._report_lock:
-                self._report.bytes_loaded += len(good) * self.seg
+            self._count(bytes_loaded=len(good) * self.seg)
             if self.cuda:
                 ev = torch.cuda.Event()
                 ev.record(self.load_stream)
@@ -433,7 +458,7 @@ class WorkerPipeline:
     def _skip(self, stores: Sequence[StoreChunk], why: str) -> None:
         log.debug("tutti: skipping %d stores: %s", len(stores), why)
         with self._report_lock:
-            self._report.stores_skipped += len(stores)
+            self._count_locked(stores_skipped=len(stores))
             self._report.store_failed.extend(st.ticket for st in stores)
 
     def _release_reserved(self) -> None:
@@ -453,8 +478,9 @@ class WorkerPipeline:
             n = len(group)
             ready = None
             if self.cuda:
-                compute_done = torch.cuda.Event()
-                compute_done.record(torch.cuda.current_stream(self.device))
+                with nvtx_range("compute_wait", layer):
+                    compute_done = torch.cuda.Event()
+                    compute_done.record(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.store_stream):
                     self.store_stream.wait_event(compute_done)
                     ids = self._index([st.block_ids for st in group])
@@ -511,7 +537,8 @@ class WorkerPipeline:
                     log.exception("tutti: journal update failed")
                 continue
             try:
-                self._write_job(job)
+                with nvtx_range("write", job.layer):
+                    self._write_job(job)
             except Exception:  # noqa: BLE001 - a writer must never die silently
                 log.exception("tutti: store job failed")
                 self._fail_tickets(job.chunks, "writer error")
@@ -522,7 +549,8 @@ class WorkerPipeline:
 
     def _write_job(self, job: _StoreJob) -> None:
         if job.ready is not None:
-            job.ready.synchronize()  # releases the GIL while the copy finishes
+            with nvtx_range("d2h_wait", job.layer):
+                job.ready.synchronize()  # releases the GIL while the copy finishes
         sums = job.checksums.tolist() if isinstance(job.checksums, torch.Tensor) else job.checksums
         if job.free_slots:
             self.store.record_free(job.free_slots)
@@ -551,16 +579,16 @@ class WorkerPipeline:
                 continue
             tk.checksums[job.layer] = int(sums[i]) & _U64
             tk.written += 1
-            with self._report_lock:
-                self._report.bytes_stored += self.seg
+            self._count(bytes_stored=self.seg)
             if tk.written == self.num_layers:
                 done.append(tk)
         if done:
             try:
-                self.store.sync_data([tk.chunk.slot for tk in done])
-                for tk in done:
-                    self.store.record_put(tk.chunk.key, tk.chunk.slot, tk.checksums)
-                self.store.sync_journal()
+                with nvtx_range("commit"):
+                    self.store.sync_data([tk.chunk.slot for tk in done])
+                    for tk in done:
+                        self.store.record_put(tk.chunk.key, tk.chunk.slot, tk.checksums)
+                    self.store.sync_journal()
             except OSError as exc:
                 log.warning("tutti: making %d chunks durable failed: %s", len(done), exc)
                 self._fail_tickets([tk.chunk for tk in done], f"sync failed: {exc}")
@@ -570,11 +598,28 @@ class WorkerPipeline:
                     self._entries[tk.chunk.slot] = (tk.chunk.key, tuple(tk.checksums))
             with self._report_lock:
                 self._report.stored.extend(tk.chunk.ticket for tk in done)
-                self._report.store_seconds += time.perf_counter() - self._store_t0
+                self._count_locked(store_seconds=time.perf_counter() - self._store_t0)
             for tk in done:
                 self._ticket_done(tk.chunk)
 
     # ================================================================ reporting
+    def _count(self, **amounts: float) -> None:
+        with self._report_lock:
+            self._count_locked(**amounts)
+
+    def _count_locked(self, **amounts: float) -> None:
+        """Add to the report's counters and to the stats counters (report lock held)."""
+        for name, v in amounts.items():
+            setattr(self._report, name, getattr(self._report, name) + v)
+            self._stats[name] += v
+
+    def take_stats(self) -> dict[str, float]:
+        """Counters since the last call, keyed like WorkerReport (bytes_loaded, load_seconds,
+        bytes_stored, store_seconds, stores_skipped)."""
+        with self._report_lock:
+            out, self._stats = self._stats, dict.fromkeys(_STAT_FIELDS, 0)
+        return out
+
     def take_report(self) -> WorkerReport:
         with self._report_lock:
             rep, self._report = self._report, WorkerReport()

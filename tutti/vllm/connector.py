@@ -28,13 +28,16 @@ from tutti.engine.config import EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
 from tutti.engine.session import Geometry, build_planner, build_worker
 from tutti.vllm import compat
+from tutti.vllm.events import EventPublisher, KVEventTracker, expand_topic
+from tutti.vllm.stats import SchedulerStatsTracker, TuttiKVConnectorStats, TuttiPromMetrics, stats_from
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+# Under "vllm." so the lines go through vLLM's log handler and level (VLLM_LOGGING_LEVEL).
+logger = init_logger("vllm.tutti.connector")
 
 
 class TuttiConnectorMetadata(KVConnectorMetadata):
@@ -65,12 +68,24 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         self._planner = None
         self._worker = None
         self._layer_index: dict[str, int] = {}
+        self._events: KVEventTracker | None = None
+        self._publisher: EventPublisher | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._planner = build_planner(self._extra, self._geom)
-            logger.info(
-                "tutti: scheduler ready: roots=%s capacity=%d B (%d chunks of %d tokens), %d chunks resident",
-                list(self._cfg.roots), self._cfg.capacity_bytes, self._planner.index.num_slots,
-                self._cfg.chunk_tokens, len(self._planner.index),
+            self._sched_stats = SchedulerStatsTracker(self._planner.index.num_slots * self._planner.slot_bytes)
+            hash_bs = int(getattr(kv_cache_config, "hash_block_size", 0) or self._geom.block_size)
+            self._events = KVEventTracker(chunk_tokens=self._cfg.chunk_tokens, hash_block_size=hash_bs,
+                                          seed=self._geom.seed())
+            if self._cfg.kv_events_endpoint:
+                pc = vllm_config.parallel_config
+                dp = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
+                self._publisher = EventPublisher(
+                    self._cfg.kv_events_endpoint, data_parallel_rank=dp,
+                    topic=expand_topic(self._cfg.kv_events_topic, str(vllm_config.model_config.served_model_name)))
+            logger.debug(
+                "tutti: scheduler ready: roots=%s capacity=%d B (%d chunks of %d tokens), %d chunks resident, "
+                "events=%s", list(self._cfg.roots), self._cfg.capacity_bytes, self._planner.index.num_slots,
+                self._cfg.chunk_tokens, len(self._planner.index), self._cfg.kv_events_endpoint or "vLLM only",
             )
 
     # ------------------------------------------------------------------ properties
@@ -96,11 +111,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         geom = self._geom.for_rank(*compat.worker_ranks(self._vllm_config))
         self._worker = build_worker(self._extra, geom, caches=views, layout=layout,
                                     kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config))
-        logger.info(
-            "tutti: worker ready: backend=%s roots=%s capacity=%d B layout=%s kernel=%s layers=%d",
-            self._worker.queue.caps().backend, list(self._worker.cfg.roots), self._cfg.capacity_bytes,
-            layout, self._worker.kernel.name, len(caches),
-        )
+        self._log_ready(layout, len(caches))
 
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
         """vLLM 0.26: one tensor holding every layer."""
@@ -109,6 +120,18 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         self._layer_index = {}
         self._worker = build_worker(self._extra, geom, caches=views, layout=layout,
                                     kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config))
+        self._log_ready(layout, geom.num_layers)
+
+    def _log_ready(self, layout: Any, num_layers: int) -> None:
+        """The one start-up line (INFO, rank 0; other ranks at DEBUG)."""
+        w = self._worker
+        rank = compat.worker_rank(self._vllm_config)
+        (logger.info if rank == 0 else logger.debug)(
+            "tutti: ready: backend=%s roots=%s capacity=%d B layout=%s kernel=%s layers=%d chunk=%d tokens "
+            "resident=%d chunks rank=%d",
+            w.queue.caps().backend, list(w.cfg.roots), self._cfg.capacity_bytes, layout, w.kernel.name,
+            num_layers, self._cfg.chunk_tokens, len(w._entries), rank,
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -161,12 +184,17 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        if self._publisher is not None:
+            self._publisher.shutdown()
+            self._publisher = None
 
     # ================================================================== scheduler side
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._planner is not None
         tokens = compat.prompt_tokens(request)
         n = self._planner.match(request.request_id, tokens, num_computed_tokens)
+        if self._events is not None:
+            self._events.add_request(request)
         return n, False  # synchronous: loading is layer-wise inside the step
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
@@ -194,6 +222,8 @@ class TuttiConnectorV1(KVConnectorBase_V1):
                     p.update_request(req_id, new_block_ids=compat.first_group(blocks))
             computed[req_id] = cached.num_computed_tokens[i]
         plan = p.build_step(scheduler_output.num_scheduled_tokens, computed)
+        if self._events is not None and plan.stores:
+            self._events.planned(plan.stores)
         return TuttiConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -205,15 +235,41 @@ class TuttiConnectorV1(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._planner is not None
+        if self._events is not None:
+            self._events.drop_request(request.request_id)
         return self._planner.finished(request.request_id), None
 
     def take_events(self) -> Iterable[Any]:
-        if self._planner is None:
+        """BlockStored/BlockRemoved (medium STORAGE) for chunks committed/evicted since the last
+        step; also sent on tutti's own publisher when kv_events_endpoint is set."""
+        if self._planner is None or self._events is None:
             return ()
-        return compat.kv_events(self._planner.take_events(), self._cfg.chunk_tokens, self._geom.block_size)
+        events = self._events.translate(self._planner.take_events())
+        if events and self._publisher is not None:
+            self._publisher.publish(events)
+        return events
 
-    def get_kv_connector_stats(self) -> Any:
+    def get_kv_connector_stats(self) -> TuttiKVConnectorStats | None:
+        """Worker: bytes/seconds moved and stores skipped since the last call. Scheduler (vLLM
+        calls its instance every step too): lookups, hits, failed loads, commits, evictions
+        and capacity. vLLM aggregates both into one payload (tutti.vllm.stats)."""
+        if self._worker is not None:
+            w = self._worker.take_stats()
+            return stats_from({"load_bytes": w["bytes_loaded"], "load_seconds": w["load_seconds"],
+                               "store_bytes": w["bytes_stored"], "store_seconds": w["store_seconds"],
+                               "skipped_stores": w["stores_skipped"]})
+        if self._planner is not None:
+            return self._sched_stats.take(self._planner.stats, self._planner.capacity_used_bytes())
         return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TuttiKVConnectorStats:
+        return TuttiKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> TuttiPromMetrics:
+        return TuttiPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ helpers for tests and tools
     @property

@@ -1,0 +1,176 @@
+"""tutti's store changes as vLLM KV cache events (BlockStored / BlockRemoved, medium STORAGE).
+
+Why vLLM's own block hashes: a cluster router (llm-d's KV cache indexer, or anything reading
+vLLM's KV event stream) keys blocks by the hashes vLLM publishes for its GPU prefix cache.
+Announcing a stored chunk as the vLLM block hashes it covers, with its token ids, parent hash
+and vLLM's block size, lets the router match tutti's storage tier against the same prompts.
+tutti's own chunk keys never leave the process.
+
+Events reach the world two ways:
+- vLLM's publisher: the scheduler publishes whatever `take_events()` returns when the server
+  runs with `--kv-events-config` (one stream with the GPU prefix cache's events);
+- tutti's own publisher (`kv_events_endpoint` in kv_connector_extra_config): a vLLM
+  `ZmqEventPublisher` carrying only tutti's events. Wire format (vLLM's, and what llm-d's
+  kv-cache manager subscribes to): ZMQ PUB multipart [topic, 8-byte big-endian sequence
+  number, msgpack(KVEventBatch)], where KVEventBatch is the array [ts, [events...],
+  data_parallel_rank] and each event is a tagged array ["BlockStored", block_hashes,
+  parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, ...].
+  An endpoint with `*` binds, others connect (llm-d's indexer binds `tcp://*:5557`);
+  llm-d expects the topic `kv@<pod>@<model>` (`kv_events_topic`, `{host}`/`{model}` expand).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.logger import init_logger
+
+from tutti.engine.keys import chunk_keys
+
+logger = init_logger("vllm.tutti.events")
+
+MEDIUM = MEDIUM_STORAGE  # "STORAGE": llm-d lower-cases it into the pod entry's device tier
+
+
+@dataclass
+class _ChunkMeta:
+    block_hashes: list[Any]  # vLLM's (external) block hashes of the chunk's blocks
+    parent: Any  # hash of the block before the chunk; None for the first chunk
+    token_ids: list[int] | None  # dropped once the stored event is out (memory)
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+
+def _external(h: Any) -> Any:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return maybe_convert_block_hash(h)
+
+
+def _key_hash(key: bytes) -> int:
+    """Stand-in hash for a chunk whose vLLM hashes are unknown (resident from an earlier run)."""
+    return int.from_bytes(key[:8], "big")
+
+
+class KVEventTracker:
+    """Remembers, for chunks planned for storing, the vLLM hashes and tokens they cover, and
+    turns the planner's ("stored"|"removed", keys) events into vLLM events.
+
+    Scheduler-side only. Memory: hashes of resident chunks (blocks_per_chunk values each);
+    token ids only between planning and commit.
+    """
+
+    def __init__(self, *, chunk_tokens: int, hash_block_size: int, seed: bytes, medium: str = MEDIUM) -> None:
+        if chunk_tokens % hash_block_size:
+            raise ValueError(f"chunk_tokens={chunk_tokens}: not a multiple of vLLM's hash block size "
+                             f"{hash_block_size}")
+        self.chunk_tokens = chunk_tokens
+        self.hash_block_size = hash_block_size
+        self.hashes_per_chunk = chunk_tokens // hash_block_size
+        self.seed = seed
+        self.medium = medium
+        self._requests: dict[str, Any] = {}
+        self._key_index: dict[str, dict[bytes, int]] = {}
+        self._meta: dict[bytes, _ChunkMeta] = {}
+
+    # -- requests (from get_num_new_matched_tokens / request_finished) --------------------------
+    def add_request(self, request: Any) -> None:
+        self._requests[request.request_id] = request
+
+    def drop_request(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+        self._key_index.pop(req_id, None)
+
+    def _chunk_index(self, req_id: str, request: Any, key: bytes) -> int | None:
+        idx = self._key_index.get(req_id)
+        if idx is None or key not in idx:
+            tokens = list(getattr(request, "all_token_ids", None) or request.prompt_token_ids or [])
+            idx = {k: i for i, k in enumerate(chunk_keys(tokens, self.chunk_tokens, self.seed))}
+            self._key_index[req_id] = idx
+        return idx.get(key)
+
+    # -- stores planned this step (from build_connector_meta) -----------------------------------
+    def planned(self, stores: Iterable[Any]) -> None:
+        """Snapshot what each planned store covers while its request is at hand."""
+        for st in stores:
+            if st.key in self._meta:
+                continue
+            req = self._requests.get(st.req_id)
+            if req is None:
+                continue
+            c = self._chunk_index(st.req_id, req, st.key)
+            hashes = list(getattr(req, "block_hashes", None) or [])
+            lo, hi = (c or 0) * self.hashes_per_chunk, ((c or 0) + 1) * self.hashes_per_chunk
+            if c is None or len(hashes) < hi:
+                continue  # no vLLM hashes for it (prefix caching hashes off): a stand-in is sent
+            tokens = list(getattr(req, "all_token_ids", None) or req.prompt_token_ids)
+            lora = getattr(req, "lora_request", None)
+            self._meta[st.key] = _ChunkMeta(
+                block_hashes=[_external(h) for h in hashes[lo:hi]],
+                parent=_external(hashes[lo - 1]) if lo > 0 else None,
+                token_ids=tokens[c * self.chunk_tokens:(c + 1) * self.chunk_tokens],
+                lora_id=getattr(lora, "adapter_id", None) if lora else None,
+                lora_name=getattr(lora, "name", None) if lora else None,
+            )
+
+    # -- planner events -> vLLM events ---------------------------------------------------------
+    def translate(self, events: Iterable[tuple[str, Sequence[bytes]]]) -> list[KVCacheEvent]:
+        out: list[KVCacheEvent] = []
+        for kind, keys in events:
+            for key in keys:
+                if kind == "stored":
+                    out.append(self._stored(key))
+                elif kind == "removed":
+                    meta = self._meta.pop(key, None)
+                    hashes = meta.block_hashes if meta else [_key_hash(key)]
+                    out.append(BlockRemoved(block_hashes=list(hashes), medium=self.medium))
+                else:
+                    raise ValueError(f"planner event kind {kind!r}: expected 'stored' or 'removed'")
+        return out
+
+    def _stored(self, key: bytes) -> BlockStored:
+        meta = self._meta.get(key)
+        if meta is None:
+            return BlockStored(block_hashes=[_key_hash(key)], parent_block_hash=None, token_ids=[],
+                               block_size=0, lora_id=None, medium=self.medium, lora_name=None)
+        tokens, meta.token_ids = meta.token_ids or [], None
+        return BlockStored(block_hashes=list(meta.block_hashes), parent_block_hash=meta.parent,
+                           token_ids=tokens, block_size=self.hash_block_size, lora_id=meta.lora_id,
+                           medium=self.medium, lora_name=meta.lora_name)
+
+
+def expand_topic(topic: str, model: str) -> str:
+    return topic.replace("{host}", socket.gethostname()).replace("{model}", model)
+
+
+class EventPublisher:
+    """tutti's own KV event stream: a vLLM ZmqEventPublisher (same wire format, replay buffer,
+    sequence numbers, data-parallel port offset) fed from take_events().
+
+    Like any ZMQ PUB, batches sent before a subscriber's subscription has reached the socket
+    are dropped; subscribers detect gaps by sequence number and can ask the replay endpoint
+    (`replay_endpoint`) for them.
+    """
+
+    def __init__(self, endpoint: str, *, topic: str = "", data_parallel_rank: int = 0,
+                 replay_endpoint: str | None = None) -> None:
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        self.endpoint = endpoint
+        self.topic = topic
+        self._pub = ZmqEventPublisher(data_parallel_rank=data_parallel_rank, endpoint=endpoint,
+                                      replay_endpoint=replay_endpoint, topic=topic)
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        import time
+
+        from vllm.distributed.kv_events import KVEventBatch
+
+        if events:
+            self._pub.publish(KVEventBatch(ts=time.time(), events=list(events)))
+
+    def shutdown(self) -> None:
+        self._pub.shutdown()

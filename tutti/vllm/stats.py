@@ -1,0 +1,186 @@
+"""tutti's counters as vLLM connector stats and Prometheus metrics.
+
+Two halves report: each worker (bytes and seconds moved, stores skipped) from its
+`get_kv_connector_stats()`, and the scheduler (lookups, hits, failed loads, evictions,
+capacity) from its own instance's `get_kv_connector_stats()`, which vLLM calls every step and
+aggregates with the workers' stats (docs/vllm_api.md §6). The payload is a flat
+`{field: number}` dict so it survives vLLM's msgpack hop from the engine core to the API
+server, where `TuttiPromMetrics.observe` turns it into Prometheus samples.
+
+Names follow vLLM's `vllm:kv_offload_*` family: a `vllm:` prefix, base units (bytes,
+seconds, tokens), counters registered without `_total` (prometheus_client appends it on
+/metrics: `vllm:tutti_load_bytes` is exposed as `vllm:tutti_load_bytes_total`), and the
+`model_name` and `engine` labels vLLM gives every connector metric.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTER = "counter"
+GAUGE = "gauge"
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    field: str  # key in the stats payload
+    name: str  # Prometheus name as registered (counters get `_total` on /metrics)
+    kind: str  # COUNTER (summed across workers and steps) or GAUGE (latest value wins)
+    doc: str
+
+    @property
+    def exposed_name(self) -> str:
+        return self.name + "_total" if self.kind == COUNTER else self.name
+
+
+METRICS: tuple[MetricDef, ...] = (
+    # worker side (summed over workers: with TP each rank moves its own share of the heads)
+    MetricDef("load_bytes", "vllm:tutti_load_bytes", COUNTER,
+              "Bytes loaded from tutti's store into the KV cache (all workers)."),
+    MetricDef("load_seconds", "vllm:tutti_load_seconds", COUNTER,
+              "Seconds from the first read of a step's loads to its last layer landing, summed over workers."),
+    MetricDef("store_bytes", "vllm:tutti_store_bytes", COUNTER,
+              "Bytes written to tutti's store from the KV cache (all workers)."),
+    MetricDef("store_seconds", "vllm:tutti_store_seconds", COUNTER,
+              "Seconds from a store's first gather to its chunks being durable, summed over workers."),
+    MetricDef("skipped_stores", "vllm:tutti_skipped_stores", COUNTER,
+              "Chunk stores skipped because the staging ring was full or a layer was missed (future misses)."),
+    # scheduler side
+    MetricDef("queried_tokens", "vllm:tutti_queried_tokens", COUNTER,
+              "Prompt tokens looked up in tutti's index."),
+    MetricDef("hit_tokens", "vllm:tutti_hit_tokens", COUNTER,
+              "Tokens found in tutti's store beyond vLLM's own prefix cache (loaded instead of computed)."),
+    MetricDef("failed_loads", "vllm:tutti_failed_loads", COUNTER,
+              "Chunks whose load failed (IO error or checksum mismatch); vLLM recomputed them."),
+    MetricDef("stored_chunks", "vllm:tutti_stored_chunks", COUNTER,
+              "Chunks committed to tutti's store (durable on every worker)."),
+    MetricDef("evictions", "vllm:tutti_evictions", COUNTER,
+              "Chunks evicted from tutti's store to make room for new ones."),
+    MetricDef("capacity_used_bytes", "vllm:tutti_capacity_used_bytes", GAUGE,
+              "Bytes of tutti's store holding chunks (resident and being written), per worker rank."),
+    MetricDef("capacity_bytes", "vllm:tutti_capacity_bytes", GAUGE,
+              "Usable bytes of tutti's store (whole chunks within capacity_bytes), per worker rank."),
+)
+
+BY_FIELD: dict[str, MetricDef] = {m.field: m for m in METRICS}
+WORKER_FIELDS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "skipped_stores")
+SCHEDULER_FIELDS = ("queried_tokens", "hit_tokens", "failed_loads", "stored_chunks", "evictions")
+
+
+@dataclass
+class TuttiKVConnectorStats(KVConnectorStats):
+    """One interval's counters: `data` maps a METRICS field to a number.
+
+    Counters add up (across workers, across steps, across the logging interval); gauges keep
+    the most recent value. Unknown keys are refused so a renamed field fails loudly.
+    """
+
+    def __post_init__(self) -> None:
+        self.data = dict(self.data or {})
+        for k, v in self.data.items():
+            if k not in BY_FIELD:
+                raise ValueError(f"tutti stats: unknown field {k!r}; known fields are {sorted(BY_FIELD)}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"tutti stats: {k}={v!r}: expected a number")
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "TuttiKVConnectorStats":
+        if other is None or other.is_empty():
+            return self
+        if not isinstance(other, TuttiKVConnectorStats):
+            raise TypeError(f"cannot aggregate TuttiKVConnectorStats with {type(other).__name__}")
+        for k, v in other.data.items():
+            if BY_FIELD[k].kind == COUNTER:
+                self.data[k] = self.data.get(k, 0) + v
+            else:
+                self.data[k] = v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """For vLLM's periodic log line: the counters plus derived rates."""
+        d = self.data
+        out: dict[str, int | float] = {k: d[k] for k in BY_FIELD if k in d}
+        if d.get("queried_tokens"):
+            out["hit_rate"] = round(d.get("hit_tokens", 0) / d["queried_tokens"], 4)
+        for kind in ("load", "store"):
+            secs = d.get(f"{kind}_seconds", 0)
+            if secs > 0:
+                out[f"{kind}_GBps"] = round(d.get(f"{kind}_bytes", 0) / secs / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(v for k, v in self.data.items() if BY_FIELD[k].kind == COUNTER) and not any(
+            BY_FIELD[k].kind == GAUGE for k in self.data)
+
+
+def stats_from(values: Mapping[str, Any]) -> TuttiKVConnectorStats | None:
+    """Stats holding the non-zero counters and every gauge of `values`; None when nothing to say."""
+    data = {k: v for k, v in values.items() if v and BY_FIELD[k].kind == COUNTER}
+    data.update({k: v for k, v in values.items() if BY_FIELD[k].kind == GAUGE})
+    stats = TuttiKVConnectorStats(data=data)
+    return None if stats.is_empty() else stats
+
+
+class SchedulerStatsTracker:
+    """Turns the planner's cumulative PlannerStats into per-step deltas.
+
+    Deltas, not snapshot-and-reset: the planner's cumulative counters stay readable by tests
+    and tools. Capacity gauges are sent when they change (and once at the start), so quiet
+    steps send nothing.
+    """
+
+    _FROM_PLANNER = {"queried_tokens": "queried_tokens", "hit_tokens": "hit_tokens",
+                     "failed_loads": "loads_failed", "stored_chunks": "stores_committed",
+                     "evictions": "evictions"}
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._last: dict[str, int] = {}
+        self._capacity = capacity_bytes
+        self._last_used: int | None = None
+
+    def take(self, planner_stats: Any, used_bytes: int) -> TuttiKVConnectorStats | None:
+        values: dict[str, Any] = {}
+        for field, src in self._FROM_PLANNER.items():
+            now = getattr(planner_stats, src)
+            values[field] = now - self._last.get(field, 0)
+            self._last[field] = now
+        if used_bytes != self._last_used:
+            values["capacity_used_bytes"] = used_bytes
+            if self._last_used is None:
+                values["capacity_bytes"] = self._capacity
+            self._last_used = used_bytes
+        return stats_from(values)
+
+
+class TuttiPromMetrics(KVConnectorPromMetrics):
+    """Registers METRICS once per server and feeds them from each step's stats payload."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._bound: dict[tuple[str, int], Any] = {}
+        for m in METRICS:
+            if m.kind == COUNTER:
+                metric = self._counter_cls(name=m.name, documentation=m.doc, labelnames=labelnames)
+            else:
+                metric = self._gauge_cls(name=m.name, documentation=m.doc, labelnames=labelnames,
+                                         multiprocess_mode="mostrecent")
+            for idx, values in per_engine_labelvalues.items():
+                self._bound[(m.field, idx)] = metric.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for k, v in (transfer_stats_data or {}).items():
+            m = BY_FIELD.get(k)
+            metric = self._bound.get((k, engine_idx)) if m else None
+            if metric is None:
+                continue
+            if m.kind == COUNTER:
+                if v > 0:
+                    metric.inc(v)
+            else:
+                metric.set(v)
