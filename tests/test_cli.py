@@ -193,6 +193,8 @@ def test_demo_rejects_bad_arguments(tmp_path, capsys):
     (tmp_path / "used" / "x").write_text("x")
     rc, _, err = run_cli(capsys, "demo", "--root", str(tmp_path / "used"))
     assert rc == 2 and "not empty" in err
+    rc, _, err = run_cli(capsys, "demo", "--root", str(tmp_path / "no" / "parent"))
+    assert rc == 2 and "parent exists" in err
 
 
 # ---- bench --------------------------------------------------------------------------------------

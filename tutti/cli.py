@@ -399,6 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # bad arguments named by the code that checked them
         print(f"tutti {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RuntimeError as exc:  # a demo engine process failed: its stderr tail is in the message
+        print(f"tutti {args.command}: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     ap.error(f"unknown command {args.command!r}")
     return EXIT_USAGE
 

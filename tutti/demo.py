@@ -287,11 +287,15 @@ def run_demo(*, root: str | None = None, keep: bool = False, prompt_tokens: int 
     if not isinstance(num_prompts, int) or not 1 <= num_prompts <= 64:
         raise ValueError(f"num_prompts={num_prompts!r}: expected an int in [1, 64]")
     t_all = time.perf_counter()
+    if root is not None:
+        given = Path(root)
+        if not given.parent.is_dir() or (given.exists() and not given.is_dir()):
+            raise ValueError(f"--root {str(given)!r}: expected a new or empty directory whose parent exists")
+        if given.exists() and any(given.iterdir()):
+            raise ValueError(f"--root {str(given)!r}: not empty; the demo needs a fresh root (pass a new directory)")
     work = Path(tempfile.mkdtemp(prefix="tutti-demo-"))
     own_root = root is None
     store_root = Path(root) if root is not None else work / "store"
-    if store_root.exists() and any(store_root.iterdir()):
-        raise ValueError(f"--root {str(store_root)!r}: not empty; the demo needs a fresh root (pass a new directory)")
     lines: list[str] = []
 
     def say(s: str = "") -> None:
