@@ -33,7 +33,12 @@ def make_llm(
     set_env()
     from vllm import LLM
     from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
 
+    # vLLM keeps the worker-side connector in a process global that only a clean engine
+    # shutdown clears; an engine that failed to start (a bad-config test) leaves it behind,
+    # and the next engine in this process would silently reuse it.
+    ensure_kv_transfer_shutdown()
     args: dict[str, Any] = dict(
         model=str(model_dir),
         load_format="dummy",
