@@ -1,0 +1,20 @@
+"""The `vllm.general_plugins` entry point registers "TuttiConnectorV1" with vLLM's factory."""
+
+from importlib.metadata import entry_points
+
+
+def test_entry_point_is_installed_and_registers_the_name():
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "tutti"]
+    assert eps and eps[0].value == "tutti.vllm.plugin:register"
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    load_general_plugins()  # idempotent: vLLM calls it in every process
+    assert "TuttiConnectorV1" in KVConnectorFactory._registry
+    from vllm.config import KVTransferConfig
+
+    cls = KVConnectorFactory.get_connector_class(KVTransferConfig(kv_connector="TuttiConnectorV1", kv_role="kv_both"))
+    from tutti.vllm.connector import TuttiConnectorV1
+
+    assert cls is TuttiConnectorV1
