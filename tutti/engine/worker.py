@@ -249,7 +249,10 @@ class WorkerPipeline:
             if ld.key in self._failed_keys:
                 continue
             if i in errors:
+                # A truncated or deleted slab reads short: the chunk is gone, so journal it free
+                # as for a checksum mismatch; otherwise every restart would plan and fail it again.
                 self._fail_load(ld, f"read of layer {item.layer} failed: {errors[i]}")
+                self._forget_slot(ld)
             else:
                 good.append((i, ld))
         n = len(item.chunks)
