@@ -36,6 +36,7 @@ class Geometry:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    model_id: str = ""  # identity of the weights and model config behind `model` (see compat.model_identity)
 
     @property
     def segment_bytes(self) -> int:
@@ -61,14 +62,25 @@ class Geometry:
             chunk_tokens=self.chunk_tokens, num_layers=self.num_layers, num_heads=self.num_heads,
             content_bytes=self.content_bytes, segment_bytes=self.segment_bytes,
             tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+            extra=self._extra(),
         )
+
+    def _extra(self) -> tuple[tuple[str, str], ...]:
+        # Not the segment format, but what the KV values were computed with: the attention
+        # kernels accumulate per block, so KV computed at block size 32 differs (in the last
+        # bits) from KV computed at 64, and a checkpoint replaced under the same path changes it
+        # entirely. Either would make a hit differ from recompute.
+        out = [("block_size", str(self.block_size))]
+        if self.model_id:
+            out.append(("model_id", self.model_id))
+        return tuple(out)
 
     def seed(self) -> bytes:
         """Key seed: shared by all ranks (a chunk's key does not depend on the rank)."""
         from tutti.kernels import FORMAT_VERSION
 
         return namespace_seed(self.model, self.cache_dtype, FORMAT_VERSION, self.chunk_tokens,
-                              self.num_layers * self.pp_size, self.tp_size, self.pp_size)
+                              self.num_layers * self.pp_size, self.tp_size, self.pp_size, self._extra())
 
 
 def check_capacity(cfg: EngineConfig, geom: Geometry) -> int:
