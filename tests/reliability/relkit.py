@@ -146,3 +146,30 @@ def verify_store(root: str | os.PathLike) -> dict[str, dict]:
 def only_namespace(summary: dict[str, dict]) -> dict:
     assert len(summary) == 1, f"expected one namespace, found {list(summary)}"
     return next(iter(summary.values()))
+
+
+def write_weights(model_dir: str | os.PathLike, seed: int) -> Path:
+    """Real (random) safetensors weights for the tiny Llama in `model_dir`, so a test can replace
+    a checkpoint in place (load with load_format="safetensors"); dummy weights ignore the seed."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 0.08).to(torch.float32)
+
+    w = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h), "model.norm.weight": torch.ones(h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+                  p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
+                  p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+                  p + "mlp.down_proj.weight": rnd(h, inter), p + "input_layernorm.weight": torch.ones(h),
+                  p + "post_attention_layernorm.weight": torch.ones(h)})
+    out = Path(model_dir) / "model.safetensors"
+    save_file(w, str(out))
+    return out
