@@ -94,12 +94,33 @@ def check_capacity(cfg: EngineConfig, geom: Geometry) -> int:
     return num_slots
 
 
+def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
+    """Every check that needs the model's geometry, before any file is touched; returns the slot count.
+
+    Both halves call it first: the worker is built before the scheduler, so a check left to the
+    planner would only fire after the worker had already created the store on disk.
+    """
+    if geom.chunk_tokens % geom.block_size:
+        raise ValueError(
+            f"kv_connector_extra_config.chunk_tokens={geom.chunk_tokens}: must be a multiple of vLLM's "
+            f"block_size={geom.block_size}; try {max(1, round(geom.chunk_tokens / geom.block_size)) * geom.block_size}"
+        )
+    num_slots = check_capacity(cfg, geom)
+    if geom.segment_bytes > cfg.staging_slot_bytes:
+        raise ValueError(
+            f"kv_connector_extra_config.staging_bytes={cfg.staging_bytes}: a staging slot ({cfg.staging_slot_bytes} B "
+            f"= staging_bytes / staging_slots) is smaller than one segment ({geom.segment_bytes} B); raise "
+            f"staging_bytes to at least {geom.segment_bytes * cfg.staging_slots} or lower chunk_tokens"
+        )
+    return num_slots
+
+
 def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
     """The scheduler's half: the index rebuilt from every rank's journal."""
     from tutti.io.store import ChunkStore
 
     cfg = EngineConfig.from_dict(raw_config, rank=0)
-    num_slots = check_capacity(cfg, geom)
+    num_slots = check_geometry(cfg, geom)
     planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
                       seed=geom.seed(), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
                       store_decode=cfg.store_decode)
@@ -131,7 +152,7 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
     from tutti.kernels import get_variant, segment_checksum
 
     cfg = EngineConfig.from_dict(raw_config, rank=rank)
-    check_capacity(cfg, geom)
+    check_geometry(cfg, geom)
     if layout.num_heads != geom.num_heads or layout.content_bytes != geom.content_bytes:
         raise ValueError(
             f"KV cache layout: found H={layout.num_heads}, C={layout.content_bytes} B per (head, token) in the "

@@ -26,7 +26,7 @@ from vllm.logger import init_logger
 
 from tutti.engine.config import EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
-from tutti.engine.session import Geometry, build_planner, build_worker
+from tutti.engine.session import Geometry, build_planner, build_worker, check_geometry
 from tutti.vllm import compat
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         self._cfg = EngineConfig.from_dict(self._extra, rank=compat.worker_rank(vllm_config))
         compat.check_single_group(kv_cache_config)
         self._geom = compat.geometry(vllm_config, self._cfg.chunk_tokens)
+        check_geometry(self._cfg, self._geom)  # chunk vs block size, capacity, staging: before any IO
         self._planner = None
         self._worker = None
         self._layer_index: dict[str, int] = {}
