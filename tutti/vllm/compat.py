@@ -34,6 +34,21 @@ def init_base(conn: Any, vllm_config: Any, role: Any, kv_cache_config: Any) -> N
     _kvbase.KVConnectorBase_V1.__init__(conn, vllm_config, role, kv_cache_config)
 
 
+def release_global_connector(conn: Any) -> None:
+    """Unset vLLM's process-global worker connector if it is `conn`.
+
+    vLLM sets it before the KV caches are registered and clears it only on a clean worker
+    shutdown; when registration fails the engine never starts, nothing shuts it down, and every
+    later engine in the process would reuse this broken instance (with the old configuration).
+    """
+    try:
+        from vllm.distributed.kv_transfer import kv_transfer_state as _state
+    except ImportError:  # pragma: no cover - moved in some version: nothing to release
+        return
+    if getattr(_state, "_KV_CONNECTOR_AGENT", None) is conn:
+        _state._KV_CONNECTOR_AGENT = None
+
+
 # ------------------------------------------------------------------ ranks and geometry
 def worker_ranks(vllm_config: Any) -> tuple[int, int]:
     """(tp_rank, pp_rank) of this process; (0, 0) where no parallel group exists (scheduler)."""

@@ -95,8 +95,12 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         caches = [kv_caches[n] for n in names]
         layout, views, kbpb = compat.discover_layout(self._vllm_config, caches, layer_name=names[0])
         geom = self._geom.for_rank(*compat.worker_ranks(self._vllm_config))
-        self._worker = build_worker(self._extra, geom, caches=views, layout=layout,
-                                    kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config))
+        try:
+            self._worker = build_worker(self._extra, geom, caches=views, layout=layout,
+                                        kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config))
+        except Exception:
+            compat.release_global_connector(self)  # the engine will not start: do not haunt the next one
+            raise
         logger.info(
             "tutti: worker ready: backend=%s roots=%s capacity=%d B layout=%s kernel=%s layers=%d",
             self._worker.queue.caps().backend, list(self._worker.cfg.roots), self._cfg.capacity_bytes,
