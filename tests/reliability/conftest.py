@@ -39,6 +39,8 @@ def report(request) -> _report.Row:
     t0 = time.perf_counter()
     yield row
     row.seconds = time.perf_counter() - t0
+    if not row.tried:  # failed before it said: the module's promise, so the row still reads
+        row.tried = " ".join((mod.__doc__ or "").split(".")[0].split())
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -67,8 +69,10 @@ def _complete_run(session) -> bool:
     if getattr(opt, "keyword", "") or getattr(opt, "markexpr", ""):
         return False
     files = {p.name for p in HERE.glob("test_*.py")}
-    ran = {Path(str(it.fspath)).name for it in session.items if Path(str(it.fspath)).parent == HERE}
-    return bool(files) and files == ran and all(r.outcome != "not run" for r in _ROWS.values())
+    mine = [it for it in session.items if Path(str(it.fspath)).parent == HERE]
+    ran = {Path(str(it.fspath)).name for it in mine}
+    return (bool(files) and files == ran and len(_ROWS) == len(mine)  # none cut short by -x / Ctrl-C
+            and all(r.outcome != "not run" for r in _ROWS.values()))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -100,8 +100,24 @@ def render(rows: list[dict], *, env: str = "") -> str:
     summary = ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items()))
     out.append(f"| **Total** | {len(rows)} tests | {summary} | {tot['requests']} | {tot['faults']} | "
                f"{tot['bad_inputs']} | {tot['bytes_lost']} | | | {tot['seconds']:.0f} |")
-    out += ["", f"Last full run: {env}" if env else "", ""]
+    out += ["", f"Last full run: {env}" if env else "", "", *LIMITS, ""]
     return "\n".join(out)
+
+
+#: What the suite does not prove, stated next to what it does.
+LIMITS = [
+    "## Not covered here",
+    "",
+    "- Permission bits on the root: the suite runs as root, which ignores them; a read-only mount",
+    "  stands in for an unwritable root.",
+    "- Tensor and pipeline parallel layouts are checked at the planner (the index a TP=2 or PP=2",
+    "  server would build over the root is empty), not with a multi-worker engine: this CPU box",
+    "  runs one worker.",
+    "- A checkpoint replaced in place is recognised by its files' sizes and sampled pages",
+    "  (tutti.vllm.compat.model_identity), not by hashing every byte; a hub model id is",
+    "  recognised by its cached snapshot's commit.",
+    "- Timings in the last column come from a shared 2-core machine and vary with its load.",
+]
 
 
 def write_doc(rows: list[dict], path: str | os.PathLike = DOC, *, env: str = "") -> None:

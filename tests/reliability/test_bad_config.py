@@ -19,11 +19,16 @@ def _files(path):
 
 def start_fails(tiny_model, kvt: dict, match: str, watch=None) -> str:
     """Start an engine with `kvt`; it must raise (matching `match`) and leave `watch` as it was."""
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
+
     before = _files(watch) if watch is not None else None
     try:
         with pytest.raises(Exception, match=match) as ei:
             with engine(tiny_model, kvt):
                 pass
+        # the refused engine must not leave its connector as vLLM's process-global one: the next
+        # engine in this process would reuse it, with this bad configuration
+        assert not has_kv_transfer_group(), "a refused start left vLLM's global connector set"
     finally:
         failed_start_cleanup()
     if watch is not None:

@@ -62,6 +62,9 @@ def test_second_server_on_same_root(tiny_model, tmp_path, report):
         with pytest.raises(Exception, match=r"already has a writer.*held by pid " + str(first.pid)) as ei:
             with engine(tiny_model, kvt):
                 pass
+        from vllm.distributed.kv_transfer import has_kv_transfer_group
+
+        assert not has_kv_transfer_group(), "the refused server left vLLM's global connector set"
         failed_start_cleanup()
         assert _files(root) == before, "the refused server touched the store"
 
@@ -95,7 +98,9 @@ def test_second_server_on_same_root(tiny_model, tmp_path, report):
     assert [o.num_cached_tokens for o in outs] == [CHUNKS * CHUNK] * 6
     report.tried = ("a second server on the root of a running one: same config (while the first stores), "
                     "and a different config (chunk_tokens 64)")
-    report.held = (f"same config refused at start-up: \"{str(ei.value).splitlines()[0][:90]}...\", no file touched; "
+    msg = str(ei.value).splitlines()[0]
+    msg = msg[msg.index("already has a writer"):][:60]
+    report.held = (f"same config refused at start-up (\"... {msg}...\"), no file touched; "
                    "different config got its own namespace; the first kept storing; both namespaces whole; "
                    "outputs == recompute")
     report.requests = 3 + 6 + 6 + 3
