@@ -16,6 +16,7 @@ from relkit import CHUNK, connector_of, engine, kv_config, prompt, reference, to
 
 AREA = "crash (SIGKILL)"
 PER_BATCH, PROMPT_LEN = 16, 8 * CHUNK + 5
+SLOTS, SLOT_BYTES = 160, 2 * 32 * 1024  # 2 layers x (32 tokens x 2 heads x 512 B)
 
 
 def batch_prompts(i: int) -> list[list[int]]:
@@ -31,7 +32,7 @@ main({model!r}, {kvt!r})
 
 
 def _disk_state(root: Path) -> tuple[int, int]:
-    """(bytes allocated in slab files, journal length)."""
+    """(latest slab write time, journal length)."""
     slab = journal = 0
     for p in root.glob("tutti-*/*"):
         try:
@@ -39,7 +40,7 @@ def _disk_state(root: Path) -> tuple[int, int]:
         except FileNotFoundError:
             continue
         if p.name.startswith("slab-"):
-            slab += st.st_blocks * 512
+            slab = max(slab, st.st_mtime_ns)
         elif p.name == "journal.bin":
             journal = st.st_size
     return slab, journal
@@ -47,7 +48,9 @@ def _disk_state(root: Path) -> tuple[int, int]:
 
 def test_sigkill_mid_store_then_fresh_server(tiny_model, tmp_path, report):
     root = tmp_path / "kv"
-    kvt = kv_config(root, capacity="64MiB")
+    # 160 chunks: batch 0 stores 128, from batch 1 on every store overwrites an evicted slot,
+    # the riskiest moment to die (the old chunk's bytes are being replaced)
+    kvt = kv_config(root, capacity=SLOTS * SLOT_BYTES)
     env = dict(os.environ, **harness.ENV_DEFAULTS)
     repo = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(repo), str(repo / "tests" / "vllm"), env.get("PYTHONPATH", "")])
@@ -63,18 +66,19 @@ def test_sigkill_mid_store_then_fresh_server(tiny_model, tmp_path, report):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    # Kill at a moment when segments are on disk that the journal does not name yet (a store in
-    # flight), once at least one batch has gone through; fall back to a plain kill after batch 3.
+    # Kill at a moment when segments are being written that the journal does not name yet (a
+    # store in flight), once evicted slots are being overwritten (batch 1 done); fall back to a
+    # plain kill after batch 4.
     deadline = time.monotonic() + 240
     in_flight_seen = False
     last = (0, 0)
     try:
         while time.monotonic() < deadline and child.poll() is None:
             now = _disk_state(root)
-            if batches and now[0] > last[0] and now[1] == last[1] and last[0] > 0:
+            if len(batches) >= 2 and now[0] > last[0] and now[1] == last[1] and last[0] > 0:
                 in_flight_seen = True
                 break
-            if len(batches) >= 3:
+            if len(batches) >= 5:
                 break
             last = now
             time.sleep(0.002)
@@ -86,6 +90,7 @@ def test_sigkill_mid_store_then_fresh_server(tiny_model, tmp_path, report):
         child.wait(timeout=30)
     reader.join(timeout=5)
     assert child.returncode == -signal.SIGKILL
+    assert len(batches) >= 2, "killed before any slot was overwritten"
     started = max(batches) + 2  # batches printed, plus the one being generated when killed
 
     # 1) Out of process, read-only: every journaled segment matches its checksum.
@@ -97,9 +102,10 @@ def test_sigkill_mid_store_then_fresh_server(tiny_model, tmp_path, report):
     # 2) A new server on the same root: starts, serves only those chunks, outputs equal recompute.
     prompts = [p for i in range(started) for p in batch_prompts(i)[:6]] + [prompt(7, PROMPT_LEN)]
     want = reference(tiny_model, prompts, 4)
-    with engine(tiny_model, kv_config(root, capacity="64MiB")) as llm:
+    # (reopened twice as large, so its own new stores never evict what the old one left)
+    with engine(tiny_model, kv_config(root, capacity=2 * SLOTS * SLOT_BYTES)) as llm:
         conn = connector_of(llm)
-        assert len(conn.planner.index) == ns["entries"]
+        assert len(conn.planner.index) == ns["entries"] and ns["slot_bytes"] == SLOT_BYTES
         outs = harness.generate_ids(llm, prompts, 4)
         s = dict(vars(conn.planner.stats))
     from tutti.engine.keys import chunk_keys
@@ -117,14 +123,15 @@ def test_sigkill_mid_store_then_fresh_server(tiny_model, tmp_path, report):
     assert got_hits == expect_hits  # every durable chunk in a prompt's prefix was served
     assert sum(got_hits) > 0
     lost = sum(e - g for e, g in zip(expect_hits, got_hits) if e > g) // CHUNK * ns["slot_bytes"]
-    report.tried = (f"SIGKILL of a server storing 16x{PROMPT_LEN}-token batches, after {max(batches) + 1} "
-                    f"batch(es); {'kill landed with segments on disk not yet journaled' if in_flight_seen else 'kill between stores'}")
+    report.tried = (f"SIGKILL of a server storing 16x{PROMPT_LEN}-token batches into {SLOTS} slots (evicted slots "
+                    f"being overwritten), during batch {max(batches) + 2}; "
+                    f"{'kill landed while segments were written that the journal did not name yet' if in_flight_seen else 'kill between stores'}")
     report.held = (f"{ns['entries']} journaled chunks all pass checksums (read-only python3 -c); "
-                   f"{ns['unjournaled_slots']} slots of cut-off stores ignored; new server starts, hits exactly "
-                   "the journaled prefixes, outputs == recompute")
+                   f"{ns['unjournaled_slots']} slots holding unjournaled bytes (freed or cut off) ignored; new "
+                   "server starts, hits exactly the journaled prefixes, outputs == recompute")
     report.requests = len(prompts)
     report.faults = 1
     report.bytes_lost = lost
     report.counts = {"chunks_durable": ns["entries"], "hit_tokens": s["hit_tokens"], "loads_failed": s["loads_failed"],
-                     "torn_slots_ignored": ns["unjournaled_slots"]}
+                     "unjournaled_slots_ignored": ns["unjournaled_slots"]}
     assert lost == 0

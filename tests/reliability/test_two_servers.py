@@ -99,7 +99,7 @@ def test_second_server_on_same_root(tiny_model, tmp_path, report):
     report.tried = ("a second server on the root of a running one: same config (while the first stores), "
                     "and a different config (chunk_tokens 64)")
     msg = str(ei.value).splitlines()[0]
-    msg = msg[msg.index("already has a writer"):][:60]
+    msg = msg[msg.index("already has a writer"):msg.index("lock file")].rstrip(": ") + ": lock file ... held by pid N"
     report.held = (f"same config refused at start-up (\"... {msg}...\"), no file touched; "
                    "different config got its own namespace; the first kept storing; both namespaces whole; "
                    "outputs == recompute")
