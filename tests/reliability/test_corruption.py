@@ -5,7 +5,6 @@ serve them again), vLLM recomputes, nothing crashes, and outputs equal recompute
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import harness
 from relkit import CHUNK, connector_of, engine, kv_config, only_namespace, prompt, reference, tokens, verify_store
