@@ -80,10 +80,10 @@ def pytest_sessionfinish(session, exitstatus):
         return
     rows = sorted(_ROWS.values(), key=lambda r: r.test)
     path = os.environ.get("TUTTI_RELIABILITY_JSON", str(_report.DEFAULT_JSON))
-    _report.save(path, rows)
+    env = (f"{time.strftime('%Y-%m-%d')}, {platform.machine()} CPU x{os.cpu_count()}, Python "
+           f"{platform.python_version()}, vLLM {_vllm_version()}, pytest exit status {int(exitstatus)}.")
+    _report.save(path, rows, env)
     if _complete_run(session):
-        env = (f"{time.strftime('%Y-%m-%d')}, {platform.machine()} CPU x{os.cpu_count()}, Python "
-               f"{platform.python_version()}, vLLM {_vllm_version()}, pytest exit status {int(exitstatus)}.")
         _report.write_doc([vars(r) for r in rows], env=env)
 
 

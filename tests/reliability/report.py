@@ -44,17 +44,19 @@ class Row:
     seconds: float = 0.0
 
 
-def load(path: str | os.PathLike) -> list[dict]:
+def load(path: str | os.PathLike) -> tuple[list[dict], str]:
+    """(rows, environment line) of a results file."""
     p = Path(path)
     if not p.exists():
-        return []
-    return json.loads(p.read_text())["rows"]
+        return [], ""
+    data = json.loads(p.read_text())
+    return data["rows"], data.get("env", "")
 
 
-def save(path: str | os.PathLike, rows: list[Row]) -> None:
+def save(path: str | os.PathLike, rows: list[Row], env: str = "") -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    data = {"written": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": [asdict(r) for r in rows]}
+    data = {"written": time.strftime("%Y-%m-%d %H:%M:%S"), "env": env, "rows": [asdict(r) for r in rows]}
     tmp = p.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(p)
@@ -75,7 +77,7 @@ def render(rows: list[dict], *, env: str = "") -> str:
         "",
         "The promises a storage tier must keep, each checked by a test in `tests/reliability/` that",
         "could fail, on a real vLLM CPU engine with real files. **This file is written by the test",
-        "suite** (`bash scripts/test.sh tests/reliability` or `python3 -m pytest tests/reliability`):",
+        "suite** (`python3 -m pytest tests/reliability`, or `bash scripts/test.sh` with the rest):",
         "every row is what the last full run tried and observed, not what we hoped.",
         "",
         "Outputs are always compared token for token with the same prompts through an engine without",
@@ -127,4 +129,5 @@ def write_doc(rows: list[dict], path: str | os.PathLike = DOC, *, env: str = "")
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit("usage: report.py RESULTS.json [OUT.md]")
-    write_doc(load(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else DOC)
+    rows, env = load(sys.argv[1])
+    write_doc(rows, sys.argv[2] if len(sys.argv) > 2 else DOC, env=env)
