@@ -39,6 +39,7 @@ class Geometry:
     # MLA: the latent cache is the same on every TP rank, so it is stored once (by TP rank 0,
     # in TP rank 0's namespace) and every TP rank reads it from there.
     kv_replicated: bool = False
+    model_id: str = ""  # identity of the weights and model config behind `model` (see compat.model_identity)
 
     @property
     def store_tp_rank(self) -> int:
@@ -85,14 +86,25 @@ class Geometry:
             chunk_tokens=self.chunk_tokens, num_layers=self.num_layers, num_heads=self.num_heads,
             content_bytes=self.content_bytes, segment_bytes=self.segment_bytes,
             tp_rank=self.store_tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+            extra=self._extra(),
         )
+
+    def _extra(self) -> tuple[tuple[str, str], ...]:
+        # Not the segment format, but what the KV values were computed with: the attention
+        # kernels accumulate per block, so KV computed at block size 32 differs (in the last
+        # bits) from KV computed at 64, and a checkpoint replaced under the same path changes it
+        # entirely. Either would make a hit differ from recompute.
+        out = [("block_size", str(self.block_size))]
+        if self.model_id:
+            out.append(("model_id", self.model_id))
+        return tuple(out)
 
     def seed(self) -> bytes:
         """Key seed: shared by all ranks (a chunk's key does not depend on the rank)."""
         from tutti.kernels import FORMAT_VERSION
 
         return namespace_seed(self.model, self.cache_dtype, FORMAT_VERSION, self.chunk_tokens,
-                              self.num_layers * self.pp_size, self.tp_size, self.pp_size)
+                              self.num_layers * self.pp_size, self.tp_size, self.pp_size, self._extra())
 
 
 def fs_type(path: str) -> str:
@@ -129,12 +141,33 @@ def check_capacity(cfg: EngineConfig, geom: Geometry) -> int:
     return num_slots
 
 
+def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
+    """Every check that needs the model's geometry, before any file is touched; returns the slot count.
+
+    Both halves call it first: the worker is built before the scheduler, so a check left to the
+    planner would only fire after the worker had already created the store on disk.
+    """
+    if geom.chunk_tokens % geom.block_size:
+        raise ValueError(
+            f"kv_connector_extra_config.chunk_tokens={geom.chunk_tokens}: must be a multiple of vLLM's "
+            f"block_size={geom.block_size}; try {max(1, round(geom.chunk_tokens / geom.block_size)) * geom.block_size}"
+        )
+    num_slots = check_capacity(cfg, geom)
+    if geom.segment_bytes > cfg.staging_slot_bytes:
+        raise ValueError(
+            f"kv_connector_extra_config.staging_bytes={cfg.staging_bytes}: a staging slot ({cfg.staging_slot_bytes} B "
+            f"= staging_bytes / staging_slots) is smaller than one segment ({geom.segment_bytes} B); raise "
+            f"staging_bytes to at least {geom.segment_bytes * cfg.staging_slots} or lower chunk_tokens"
+        )
+    return num_slots
+
+
 def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
     """The scheduler's half: the index rebuilt from every rank's journal."""
     from tutti.io.store import ChunkStore
 
     cfg = EngineConfig.from_dict(raw_config, rank=0)
-    num_slots = check_capacity(cfg, geom)
+    num_slots = check_geometry(cfg, geom)
     planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
                       seed=geom.seed(), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
                       store_decode=cfg.store_decode, num_writers=geom.num_writers)
@@ -164,7 +197,7 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
     from tutti.kernels import get_variant, segment_checksum
 
     cfg = EngineConfig.from_dict(raw_config, rank=rank)
-    check_capacity(cfg, geom)
+    check_geometry(cfg, geom)
     if layout.num_heads != geom.num_heads or layout.content_bytes != geom.content_bytes:
         raise ValueError(
             f"KV cache layout: found H={layout.num_heads}, C={layout.content_bytes} B per (head, token) in the "

@@ -308,7 +308,10 @@ class WorkerPipeline:
             if ld.key in self._failed_keys:
                 continue
             if i in errors:
+                # A truncated or deleted slab reads short: the chunk is gone, so journal it free
+                # as for a checksum mismatch; otherwise every restart would plan and fail it again.
                 self._fail_load(ld, f"read of layer {item.layer} failed: {errors[i]}")
+                self._forget_slot(ld)
             else:
                 good.append((i, ld))
         n = len(item.chunks)
@@ -455,10 +458,14 @@ class WorkerPipeline:
         self._store_t0 = time.perf_counter()
         return stores
 
-    def _skip(self, stores: Sequence[StoreChunk], why: str) -> None:
-        log.debug("tutti: skipping %d stores: %s", len(stores), why)
+    def _skip(self, stores: Sequence[StoreChunk], why: str, *, skipped: bool = True) -> None:
+        """Report these stores as not done. `skipped`: by choice (no staging room), as opposed to
+        failed (a write or sync error, a full disk): both free their slots, only the first is
+        counted in stores_skipped, so stores_failed - stores_skipped counts IO failures."""
+        log.debug("tutti: dropping %d stores: %s", len(stores), why)
         with self._report_lock:
-            self._count_locked(stores_skipped=len(stores))
+            if skipped:
+                self._count_locked(stores_skipped=len(stores))
             self._report.store_failed.extend(st.ticket for st in stores)
 
     def _release_reserved(self) -> None:
@@ -506,7 +513,7 @@ class WorkerPipeline:
             self._jobs.put(_StoreJob(layer, group, slot, checks, ready, free))
         self._gathered += 1
 
-    def _fail_tickets(self, stores: Sequence[StoreChunk], why: str) -> None:
+    def _fail_tickets(self, stores: Sequence[StoreChunk], why: str, *, skipped: bool = True) -> None:
         with self._tk_lock:
             failed = []
             for st in stores:
@@ -515,7 +522,7 @@ class WorkerPipeline:
                     tk.failed = True
                     failed.append(st)
             if failed:
-                self._skip(failed, why)
+                self._skip(failed, why, skipped=skipped)
                 for st in failed:
                     self._ticket_done(st)
 
@@ -541,7 +548,7 @@ class WorkerPipeline:
                     self._write_job(job)
             except Exception:  # noqa: BLE001 - a writer must never die silently
                 log.exception("tutti: store job failed")
-                self._fail_tickets(job.chunks, "writer error")
+                self._fail_tickets(job.chunks, "writer error", skipped=False)
             finally:
                 self.ring.release(job.slot)
                 with self._slot_lock:
@@ -575,7 +582,7 @@ class WorkerPipeline:
                 continue
             if i in errors:
                 log.warning("tutti: store of chunk %s failed: %s", st.key.hex()[:16], errors[i])
-                self._fail_tickets([st], f"write failed: {errors[i]}")
+                self._fail_tickets([st], f"write failed: {errors[i]}", skipped=False)
                 continue
             tk.checksums[job.layer] = int(sums[i]) & _U64
             tk.written += 1
@@ -591,7 +598,7 @@ class WorkerPipeline:
                     self.store.sync_journal()
             except OSError as exc:
                 log.warning("tutti: making %d chunks durable failed: %s", len(done), exc)
-                self._fail_tickets([tk.chunk for tk in done], f"sync failed: {exc}")
+                self._fail_tickets([tk.chunk for tk in done], f"sync failed: {exc}", skipped=False)
                 return
             with self._entries_lock:
                 for tk in done:

@@ -197,6 +197,11 @@ class ChunkStore:
         root, ns = self.roots[i], self.namespaces[i]
         parent = os.path.dirname(root)
         if not os.path.exists(root):
+            if os.path.exists(parent) and not os.path.isdir(parent):
+                raise StoreRootError(
+                    f"store root {root!r}: its parent {parent!r} is a file, not a directory; "
+                    "pass a directory path (remove or rename that file)"
+                )
             if not os.path.isdir(parent):
                 raise StoreRootError(
                     f"store root {root!r}: its parent directory {parent!r} does not exist; "
@@ -214,6 +219,8 @@ class ChunkStore:
         if not os.path.isdir(root):
             raise StoreRootError(f"store root {root!r}: exists but is not a directory; remove that file or pass a directory")
         need = os.R_OK | os.X_OK | (os.W_OK if self.writer else 0)
+        if self.writer and _read_only_fs(root):
+            raise StoreRootError(f"store root {root!r} is on a read-only filesystem; remount it read-write or pass another directory")
         if not os.access(root, need):
             mode = "read, write and search" if self.writer else "read and search"
             raise StoreRootError(f"store root {root!r}: this process (uid {os.getuid()}) lacks {mode} permission; fix its permissions or pass another directory")
@@ -574,6 +581,13 @@ def _write_manifest(ns: str, manifest: dict) -> None:
         os.close(fd)
     os.rename(tmp, path)
     fsync_dir(ns)
+
+
+def _read_only_fs(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _has_hole(fd: int, start: int, end: int) -> bool:

@@ -34,6 +34,21 @@ def init_base(conn: Any, vllm_config: Any, role: Any, kv_cache_config: Any) -> N
     _kvbase.KVConnectorBase_V1.__init__(conn, vllm_config, role, kv_cache_config)
 
 
+def release_global_connector(conn: Any) -> None:
+    """Unset vLLM's process-global worker connector if it is `conn`.
+
+    vLLM sets it before the KV caches are registered and clears it only on a clean worker
+    shutdown; when registration fails the engine never starts, nothing shuts it down, and every
+    later engine in the process would reuse this broken instance (with the old configuration).
+    """
+    try:
+        from vllm.distributed.kv_transfer import kv_transfer_state as _state
+    except ImportError:  # pragma: no cover - moved in some version: nothing to release
+        return
+    if getattr(_state, "_KV_CONNECTOR_AGENT", None) is conn:
+        _state._KV_CONNECTOR_AGENT = None
+
+
 # ------------------------------------------------------------------ ranks and geometry
 def worker_ranks(vllm_config: Any) -> tuple[int, int]:
     """(tp_rank, pp_rank) of this process; (0, 0) where no parallel group exists (scheduler)."""
@@ -64,6 +79,62 @@ def _dtype_of(vllm_config: Any) -> tuple[str, int]:
     raise ValueError(f"cache_dtype={cache_dtype!r}: tutti does not know its element size yet")
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model")
+_SAMPLE_PAGES, _PAGE = 16, 4096
+
+
+def _file_identity(path: str) -> bytes:
+    """Size plus a hash of the first 64 KiB (a safetensors header: names, shapes, offsets) and of
+    16 pages spread over the file. Cheap on a 100 GB checkpoint, stable across copies, and a
+    retrained or re-quantised checkpoint differs in every sampled page."""
+    import hashlib
+    import os
+
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 16))
+        for i in range(_SAMPLE_PAGES):
+            f.seek(max(0, (size - _PAGE) * i // max(1, _SAMPLE_PAGES - 1)))
+            h.update(f.read(_PAGE))
+    return h.digest()
+
+
+def model_identity(vllm_config: Any) -> str:
+    """What the model's name does not say about its KV values: the weights and config behind it.
+
+    A checkpoint replaced under the same path (a fine-tune, a new revision) keeps every shape,
+    so without this its old chunks would be served as if they were still right.
+    """
+    import hashlib
+    import os
+
+    mc, lc = vllm_config.model_config, getattr(vllm_config, "load_config", None)
+    load_format = str(getattr(lc, "load_format", "auto"))
+    h = hashlib.sha256()
+    for part in (load_format, getattr(mc, "quantization", None), getattr(mc, "hf_overrides", None),
+                 getattr(mc, "revision", None)):
+        h.update(repr(part).encode() + b"\0")
+    path = str(mc.model)
+    if not os.path.isdir(path):  # a hub id: the cached snapshot directory is named by its commit
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cfg = try_to_load_from_cache(path, "config.json", revision=getattr(mc, "revision", None))
+            if isinstance(cfg, str):
+                path = os.path.dirname(cfg)
+        except Exception:  # noqa: BLE001 - no hub client: name and revision only
+            pass
+    if os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            full = os.path.join(path, name)
+            if os.path.isfile(full) and name.endswith(_WEIGHT_SUFFIXES) and ("dummy" not in load_format
+                                                                             or name.endswith(".json")):
+                h.update(name.encode() + b"\0" + _file_identity(full))
+    return h.hexdigest()[:16]
+
+
 def geometry(vllm_config: Any, chunk_tokens: int) -> Geometry:
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     dtype_name, es = _dtype_of(vllm_config)
@@ -75,7 +146,7 @@ def geometry(vllm_config: Any, chunk_tokens: int) -> Geometry:
         model=str(mc.model), cache_dtype=dtype_name, chunk_tokens=chunk_tokens,
         block_size=int(vllm_config.cache_config.block_size), num_layers=mc.get_num_layers(pc),
         num_heads=heads, content_bytes=content, tp_size=pc.tensor_parallel_size,
-        pp_size=pc.pipeline_parallel_size, kv_replicated=mla,
+        pp_size=pc.pipeline_parallel_size, kv_replicated=mla, model_id=model_identity(vllm_config),
     )
 
 

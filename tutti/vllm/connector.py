@@ -26,7 +26,7 @@ from vllm.logger import init_logger
 
 from tutti.engine.config import EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
-from tutti.engine.session import Geometry, build_planner, build_worker
+from tutti.engine.session import Geometry, build_planner, build_worker, check_geometry
 from tutti.vllm import compat
 from tutti.vllm.events import EventPublisher, KVEventTracker, expand_topic
 from tutti.vllm.stats import SchedulerStatsTracker, TuttiKVConnectorStats, TuttiPromMetrics, stats_from
@@ -65,6 +65,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         self._cfg = EngineConfig.from_dict(self._extra, rank=compat.worker_rank(vllm_config))
         compat.check_single_group(kv_cache_config)
         self._geom = compat.geometry(vllm_config, self._cfg.chunk_tokens)
+        check_geometry(self._cfg, self._geom)  # chunk vs block size, capacity, staging: before any IO
         self._planner = None
         self._worker = None
         self._layer_index: dict[str, int] = {}
@@ -109,8 +110,12 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         caches = [kv_caches[n] for n in names]
         layout, views, kbpb = compat.discover_layout(self._vllm_config, caches, layer_name=names[0])
         geom = self._geom.for_rank(*compat.worker_ranks(self._vllm_config))
-        self._worker = build_worker(self._extra, geom, caches=views, layout=layout,
-                                    kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config))
+        try:
+            self._worker = build_worker(self._extra, geom, caches=views, layout=layout,
+                                        kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config))
+        except Exception:
+            compat.release_global_connector(self)  # the engine will not start: do not haunt the next one
+            raise
         self._log_ready(layout, len(caches))
 
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:

@@ -1,0 +1,175 @@
+"""Shared pieces of the reliability tests: configs, prompts, engines, and an out-of-process
+check of a store's integrity."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+from typing import Any, Sequence
+
+import harness
+
+CHUNK = 32  # tokens a chunk: one vLLM block of 32
+
+
+def kv_config(root: str | os.PathLike, *, chunk: int = CHUNK, capacity: Any = "16MiB", **extra) -> dict:
+    cfg = {"root": str(root), "capacity_bytes": capacity, "chunk_tokens": chunk}
+    cfg.update(extra)
+    return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": cfg}
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 500) for _ in range(n)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def connector_of(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+@contextlib.contextmanager
+def engine(model_dir, kvt: dict | None = None, **kw):
+    """A vLLM engine in this process, always shut down (so the next one can start)."""
+    llm = harness.make_llm(model_dir, kv_transfer_config=kvt, **kw)
+    try:
+        yield llm
+    finally:
+        harness.shutdown_llm(llm)
+
+
+def reference(model_dir, prompts: Sequence[Sequence[int]], max_tokens: int = 2, **kw) -> list[list[int]]:
+    """Recompute: the same prompts through an engine without the connector."""
+    with engine(model_dir, None, **kw) as llm:
+        return tokens(harness.generate_ids(llm, prompts, max_tokens))
+
+
+def failed_start_cleanup() -> None:
+    """An engine whose start raised leaves vLLM's process-global connector and distributed state
+    behind; clear both so the next engine in this process starts clean."""
+    import gc
+
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception:  # noqa: BLE001
+        pass
+    gc.collect()
+
+
+def stats(llm) -> dict:
+    return dict(vars(connector_of(llm).planner.stats))
+
+
+# ---------------------------------------------------------------------------- store checks
+_VERIFY = r'''
+import json, os, sys
+import torch
+from tutti.io.fingerprint import Fingerprint
+from tutti.io.store import ChunkStore, list_namespaces
+from tutti.kernels import segment_checksum
+
+root = sys.argv[1]
+out = {}
+for ns in list_namespaces(root):
+    if ns.manifest is None:
+        out[ns.digest] = {"error": ns.error}
+        continue
+    fp = Fingerprint.from_dict(ns.manifest["fingerprint"])
+    st = ChunkStore([root], fp, capacity_bytes=1 << 50, writer=False)
+    try:
+        bad, good = [], []
+        for slot, e in sorted(st.entries().items()):
+            ok = True
+            for layer in range(st.num_layers):
+                try:
+                    fd, off = st.location(slot, layer)
+                    data = os.pread(fd, st.segment_bytes, off)
+                except OSError:
+                    data = b""
+                if len(data) != st.segment_bytes:
+                    ok = False
+                    break
+                got = int(segment_checksum(torch.frombuffer(bytearray(data), dtype=torch.uint8))) & ((1 << 64) - 1)
+                if got != e.checksums[layer]:
+                    ok = False
+                    break
+            (good if ok else bad).append(slot)
+        # bytes on disk in slots the journal does not list: stores cut off before their journal record
+        unjournaled = 0
+        for name in os.listdir(ns.path):
+            if name.startswith("slab-") and name.endswith(".bin"):
+                slab = int(name[5:-4])
+                path = os.path.join(ns.path, name)
+                with open(path, "rb") as f:
+                    data = f.read()
+                for i in range(0, len(data), st.slot_bytes):
+                    slot = slab * st.slots_per_slab + i // st.slot_bytes
+                    if slot not in st.entries() and any(data[i:i + st.slot_bytes]):
+                        unjournaled += 1
+        out[ns.digest] = {"entries": len(good) + len(bad), "good": good, "bad": bad,
+                          "keys": {str(s): e.key.hex() for s, e in st.entries().items()},
+                          "slot_bytes": st.slot_bytes, "unjournaled_slots": unjournaled,
+                          "dropped_tail_bytes": st.journal.dropped_tail_bytes,
+                          "fingerprint": ns.manifest["fingerprint"]}
+    finally:
+        st.close()
+print("VERIFY", json.dumps(out))
+'''
+
+
+def verify_store(root: str | os.PathLike) -> dict[str, dict]:
+    """Open every namespace under `root` read-only in a fresh `python3 -c` and check each journaled
+    segment against its (unsigned 64-bit) checksum. Returns digest -> summary."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run(["python3", "-c", _VERIFY, str(root)], capture_output=True, text=True, env=env,
+                       cwd=str(repo), timeout=120)
+    if p.returncode != 0:
+        raise RuntimeError(f"store verification failed rc={p.returncode}:\n{p.stderr[-4000:]}")
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("VERIFY ")][-1]
+    return json.loads(line[7:])
+
+
+def only_namespace(summary: dict[str, dict]) -> dict:
+    assert len(summary) == 1, f"expected one namespace, found {list(summary)}"
+    return next(iter(summary.values()))
+
+
+def write_weights(model_dir: str | os.PathLike, seed: int) -> Path:
+    """Real (random) safetensors weights for the tiny Llama in `model_dir`, so a test can replace
+    a checkpoint in place (load with load_format="safetensors"); dummy weights ignore the seed."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 0.08).to(torch.float32)
+
+    w = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h), "model.norm.weight": torch.ones(h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+                  p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
+                  p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+                  p + "mlp.down_proj.weight": rnd(h, inter), p + "input_layernorm.weight": torch.ones(h),
+                  p + "post_attention_layernorm.weight": torch.ones(h)})
+    out = Path(model_dir) / "model.safetensors"
+    save_file(w, str(out))
+    return out

@@ -1,0 +1,133 @@
+"""The reliability report: tests append what they tried and what held; a final step renders
+docs/reliability.md from it.
+
+Why generated: a table typed by hand says what someone hoped; this one says what the last full
+run of tests/reliability actually did (requests served, faults injected, bytes lost), including
+any test that failed.
+
+Usage from tests: the ``report`` fixture (conftest.py) hands out a `Row` to fill in. The
+session end writes ``<results>.json`` and, when every test of the folder ran, docs/reliability.md.
+By hand: ``python3 tests/reliability/report.py RESULTS.json [OUT.md]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "reliability.md"
+#: Where rows go; override with TUTTI_RELIABILITY_JSON. build/ is ignored by git.
+DEFAULT_JSON = ROOT / "build" / "reliability.json"
+
+
+@dataclass
+class Row:
+    """One test's line in the table."""
+
+    test: str  # pytest node id
+    area: str  # crash, disk full, corruption, ...
+    tried: str = ""  # what was done to the store
+    held: str = ""  # what was checked and held
+    requests: int = 0  # requests served (outputs compared with recompute)
+    faults: int = 0  # faults injected (kills, corruptions, ENOSPC episodes, ...)
+    bad_inputs: int = 0  # bad configurations / roots tried
+    bytes_lost: int | None = None  # durable bytes not hit by a fault that could no longer be served
+    counts: dict[str, Any] = field(default_factory=dict)  # hits, stores, evictions, failures...
+    outcome: str = "not run"  # passed / failed / skipped (set by the conftest hook)
+    reason: str = ""  # skip reason or failure summary
+    seconds: float = 0.0
+
+
+def load(path: str | os.PathLike) -> tuple[list[dict], str]:
+    """(rows, environment line) of a results file."""
+    p = Path(path)
+    if not p.exists():
+        return [], ""
+    data = json.loads(p.read_text())
+    return data["rows"], data.get("env", "")
+
+
+def save(path: str | os.PathLike, rows: list[Row], env: str = "") -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    data = {"written": time.strftime("%Y-%m-%d %H:%M:%S"), "env": env, "rows": [asdict(r) for r in rows]}
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(p)
+
+
+def _fmt_counts(c: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in c.items()) if c else ""
+
+
+def _cell(s: Any) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def render(rows: list[dict], *, env: str = "") -> str:
+    """The markdown of docs/reliability.md."""
+    out = [
+        "# Reliability",
+        "",
+        "The promises a storage tier must keep, each checked by a test in `tests/reliability/` that",
+        "could fail, on a real vLLM CPU engine with real files. **This file is written by the test",
+        "suite** (`python3 -m pytest tests/reliability`, or `bash scripts/test.sh` with the rest):",
+        "every row is what the last full run tried and observed, not what we hoped.",
+        "",
+        "Outputs are always compared token for token with the same prompts through an engine without",
+        "the connector (recompute). *Bytes lost* counts durable stored bytes, not hit by the fault",
+        "itself, that could no longer be served afterwards.",
+        "",
+        "| Area | What was tried | What held | Requests | Faults | Bad inputs | Bytes lost | Counts | Result | s |",
+        "|---|---|---|---:|---:|---:|---:|---|---|---:|",
+    ]
+    tot = {"requests": 0, "faults": 0, "bad_inputs": 0, "bytes_lost": 0, "seconds": 0.0}
+    outcomes: dict[str, int] = {}
+    for r in rows:
+        lost = "" if r.get("bytes_lost") is None else r["bytes_lost"]
+        res = r["outcome"] + (f": {r['reason']}" if r.get("reason") else "")
+        out.append("| " + " | ".join(_cell(x) for x in (
+            r["area"], r["tried"], r["held"], r["requests"], r["faults"], r["bad_inputs"], lost,
+            _fmt_counts(r.get("counts") or {}), res, f"{r['seconds']:.0f}")) + " |")
+        for k in ("requests", "faults", "bad_inputs", "seconds"):
+            tot[k] += r.get(k) or 0
+        tot["bytes_lost"] += r.get("bytes_lost") or 0
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items()))
+    out.append(f"| **Total** | {len(rows)} tests | {summary} | {tot['requests']} | {tot['faults']} | "
+               f"{tot['bad_inputs']} | {tot['bytes_lost']} | | | {tot['seconds']:.0f} |")
+    out += ["", f"Last full run: {env}" if env else "", "", *LIMITS, ""]
+    return "\n".join(out)
+
+
+#: What the suite does not prove, stated next to what it does.
+LIMITS = [
+    "## Not covered here",
+    "",
+    "- Permission bits on the root: the suite runs as root, which ignores them; a read-only mount",
+    "  stands in for an unwritable root.",
+    "- Tensor and pipeline parallel layouts are checked at the planner (the index a TP=2 or PP=2",
+    "  server would build over the root is empty), not with a multi-worker engine: this CPU box",
+    "  runs one worker.",
+    "- A checkpoint replaced in place is recognised by its files' sizes and sampled pages",
+    "  (tutti.vllm.compat.model_identity), not by hashing every byte; a hub model id is",
+    "  recognised by its cached snapshot's commit.",
+    "- Timings in the last column come from a shared 2-core machine and vary with its load.",
+]
+
+
+def write_doc(rows: list[dict], path: str | os.PathLike = DOC, *, env: str = "") -> None:
+    Path(path).write_text(render(rows, env=env))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: report.py RESULTS.json [OUT.md]")
+    rows, env = load(sys.argv[1])
+    write_doc(rows, sys.argv[2] if len(sys.argv) > 2 else DOC, env=env)
