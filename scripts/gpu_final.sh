@@ -11,7 +11,7 @@ r = check_variant('triton', device='cuda'); print('conformance cases:', len(r.ca
 python3 -m pytest -q -x tests/engine -p no:cacheprovider 2>&1 | tail -1
 for spec in "shm auto /dev/shm/tutti-ov" "disk auto /tmp/tutti-ov"; do
   set -- $spec
-  timeout 80 python3 bench/pipeline_overlap.py --root $3 --io-backend $2 --rounds 4 --out $OUT/overlap_$1.json 2>&1 | grep -E '"(io_s|compute_s|wall_s|overlap_efficiency|load_GBps|host_start|backend|matmul)' | tr -d '\n'; echo " <- $1"
+  timeout 60 python3 bench/pipeline_overlap.py --root $3 --io-backend $2 --rounds 4 --out $OUT/overlap_$1.json 2>&1 | grep -E '"(io_s|compute_s|wall_s|overlap_efficiency|load_GBps|host_start|backend|matmul)' | tr -d '\n'; echo " <- $1"
 done
-timeout 380 python3 bench/vllm_ttft.py --out $OUT/ttft --cases recompute,tutti_shm,tutti_disk,offloading --timeout 110 2>&1 | tail -32
+timeout 300 python3 bench/vllm_ttft.py --out $OUT/ttft --cases recompute,tutti_shm,offloading --timeout 100 2>&1 | tail -32
 cp $OUT/ttft/ttft.json $OUT/ttft/ttft.md $OUT/ttft/ttft.png $OUT/ 2>/dev/null; rm -rf $OUT/ttft

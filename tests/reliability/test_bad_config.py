@@ -57,7 +57,7 @@ def test_bad_values_fail_before_any_request_or_io(tiny_model, tmp_path, report):
         ({**ok, "io_backend": "spdk"}, "io_backend"),
         ({**ok, "verify_checksums": "yes"}, "verify_checksums"),
         ({**ok, "staging_slots": 1}, "staging_slots=1"),
-        ({**ok, "max_inflight_stores": 16}, "max_inflight_stores=16"),
+        ({**ok, "max_inflight_stores": 64}, "max_inflight_stores=64"),  # leaves no slot of 64 for loads
         ({"roots": [], "capacity_bytes": "1GiB"}, "roots=\\[\\]"),
         ({**ok, "roots": ["/a"]}, "either 'root' or 'roots'"),
         ({"roots": [str(root), 3], "capacity_bytes": "1GiB"}, "roots="),
