@@ -25,7 +25,12 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+
+try:  # vLLM 0.32+
+    from vllm.distributed.kv_events import MEDIUM_STORAGE
+except ImportError:  # vLLM 0.26 names file-system tiers "FS"
+    from vllm.distributed.kv_events import MEDIUM_FS as MEDIUM_STORAGE
 from vllm.logger import init_logger
 
 from tutti.engine.keys import chunk_keys
