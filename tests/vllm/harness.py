@@ -9,7 +9,6 @@ because vLLM seeds the dummy loader from ``seed``.
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 # The generated model and the environment live in the package (the demo needs them too).
-from tutti.demo import BLOCK_SIZE, ENV_DEFAULTS, make_tiny_model, set_env  # noqa: E402,F401
+from tutti.demo import BLOCK_SIZE, ENV_DEFAULTS, flush_worker, make_tiny_model, set_env, shutdown_llm  # noqa: E402,F401
 
 
 def make_llm(
@@ -74,16 +73,6 @@ def generate_ids(llm, prompts: Sequence[Sequence[int]], max_tokens: int = 8):
                         greedy(max_tokens), use_tqdm=False)
 
 
-def shutdown_llm(llm) -> None:
-    """Stop an engine so a second one can start in the same process."""
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # already shut down or a different client type
-        pass
-    del llm
-    gc.collect()
-
-
 def run_in_subprocess(code: str, *, env: dict[str, str] | None = None,
                       timeout: float = 300.0, cwd: str | None = None) -> str:
     """Run ``code`` in a fresh interpreter (a fresh engine over the same store).
@@ -109,10 +98,5 @@ def settle(llm) -> None:
     """Let tutti's in-flight stores finish and reach the scheduler (generate() returns as soon
     as the tokens are out, while stores may still be writing): flush the worker, then run one
     tiny step so its report is delivered."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if has_kv_transfer_group():
-        worker = getattr(get_kv_transfer_group(), "worker", None)
-        if worker is not None:
-            worker.flush()
+    flush_worker()
     generate_ids(llm, [[5, 6, 7]], 1)

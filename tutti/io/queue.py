@@ -214,6 +214,30 @@ class IOQueue(abc.ABC):
         self.close()
 
 
+class CountedCompletions:
+    """poll() and drain() for a backend that counts completions under one condition variable:
+    `_cond` (a threading.Condition), `_completed` and `_polled` (running totals) and
+    `_outstanding` (requests in flight), updated by its completion path."""
+
+    _cond: threading.Condition
+    _completed: int
+    _polled: int
+    _outstanding: int
+
+    def poll(self, timeout: float | None = 0.0) -> int:
+        """Completions delivered since the last poll, waiting up to `timeout` for one if none."""
+        with self._cond:
+            if self._completed == self._polled and (timeout is None or timeout > 0) and self._outstanding:
+                self._cond.wait_for(lambda: self._completed != self._polled or not self._outstanding, timeout)
+            n = self._completed - self._polled
+            self._polled = self._completed
+            return n
+
+    def drain(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._outstanding)
+
+
 def submit_all(queue: IOQueue, requests: Iterable[IORequest], poll_timeout: float = 0.05) -> list[IOFuture]:
     """Submit every request, resubmitting the part a full queue refused in windows.
 

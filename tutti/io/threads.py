@@ -20,6 +20,7 @@ import torch
 from tutti.io.buffers import open_direct
 from tutti.io.queue import (
     ALIGN,
+    CountedCompletions,
     READ,
     IOErrorWithRequest,
     IOFuture,
@@ -37,7 +38,7 @@ DEFAULT_MAX_IO = 32 << 20
 
 
 @register_backend("threads")
-class ThreadQueue(IOQueue):
+class ThreadQueue(CountedCompletions, IOQueue):
     """A pool of `workers` threads; at most `max_in_flight` requests queued or running.
 
     `queue_depth` is accepted for symmetry with the uring backend (the "auto" fallback passes
@@ -116,18 +117,6 @@ class ThreadQueue(IOQueue):
             self._outstanding += room
             self._cond.notify(room)
         return futures
-
-    def poll(self, timeout: float | None = 0.0) -> int:
-        with self._cond:
-            if self._completed == self._polled and (timeout is None or timeout > 0) and self._outstanding:
-                self._cond.wait_for(lambda: self._completed != self._polled or not self._outstanding, timeout)
-            n = self._completed - self._polled
-            self._polled = self._completed
-            return n
-
-    def drain(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._outstanding)
 
     def close(self) -> None:
         with self._cond:

@@ -34,6 +34,7 @@ import torch
 from tutti.io.buffers import open_direct
 from tutti.io.queue import (
     ALIGN,
+    CountedCompletions,
     READ,
     IOErrorWithRequest,
     IOFuture,
@@ -181,7 +182,7 @@ def _block_device_max_io(fd: int) -> int | None:
 
 
 @register_backend("uring")
-class UringQueue(IOQueue):
+class UringQueue(CountedCompletions, IOQueue):
     """io_uring queue: one ring, one reaper thread, O_DIRECT files, fixed staging buffers.
 
     `queue_depth` is the SQ size (rounded up to a power of two by the kernel); `max_in_flight`
@@ -410,19 +411,6 @@ class UringQueue(IOQueue):
                 tail = (tail + 1) & 0xFFFFFFFF
             self._publish(tail)
         return futures
-
-    def poll(self, timeout: float | None = 0.0) -> int:
-        """Completions delivered since the last poll, waiting up to `timeout` for one if none."""
-        with self._cond:
-            if self._completed == self._polled and (timeout is None or timeout > 0) and self._outstanding:
-                self._cond.wait_for(lambda: self._completed != self._polled or not self._outstanding, timeout)
-            n = self._completed - self._polled
-            self._polled = self._completed
-            return n
-
-    def drain(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._outstanding)
 
     def close(self) -> None:
         if self._ring_fd < 0:
