@@ -162,3 +162,25 @@ def test_bad_configs_fail_at_startup_with_clear_errors(tiny_model, tmp_path):
     f.write_text("x")
     with pytest.raises(Exception, match="not a directory"):
         harness.make_llm(tiny_model, kv_transfer_config=kv_config(f))
+
+
+def test_store_decode_stores_chunks_completed_by_generated_tokens(tiny_model, tmp_path):
+    p = prompt(4, 100)  # one full chunk of prompt; generation completes the second
+    ref = harness.make_llm(tiny_model)
+    try:
+        gen = list(harness.generate_ids(ref, [p], 40)[0].outputs[0].token_ids)
+        q = (p + gen)[:139]
+        want = list(harness.generate_ids(ref, [q], 4)[0].outputs[0].token_ids)
+    finally:
+        harness.shutdown_llm(ref)
+    for store_decode, hit in ((False, CHUNK), (True, 2 * CHUNK)):
+        llm = harness.make_llm(tiny_model, kv_transfer_config=kv_config(tmp_path / f"kv{store_decode}",
+                                                                        store_decode=store_decode))
+        try:
+            assert list(harness.generate_ids(llm, [p], 40)[0].outputs[0].token_ids) == gen
+            harness.settle(llm)
+            llm.reset_prefix_cache()
+            out = harness.generate_ids(llm, [q], 4)[0]
+            assert out.num_cached_tokens == hit and list(out.outputs[0].token_ids) == want
+        finally:
+            harness.shutdown_llm(llm)

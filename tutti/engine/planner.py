@@ -162,6 +162,12 @@ class Planner:
         parent = r.keys[-1] if r.keys else None
         r.keys.extend(chunk_keys(r.tokens, self.chunk_tokens, self.seed, start=n_have, parent=parent))
 
+    def sync_tokens(self, req_id: str, all_tokens: Sequence[int]) -> None:
+        """With store_decode: catch up with the request's prompt + generated tokens."""
+        r = self._reqs.get(req_id)
+        if r is not None and self.store_decode and len(all_tokens) > len(r.tokens):
+            self.append_tokens(req_id, list(all_tokens[len(r.tokens):]))
+
     def build_step(self, scheduled: Mapping[str, int], computed_before: Mapping[str, int]) -> StepPlan:
         """The loads and stores of one step. `scheduled[req]` tokens are computed this step on
         top of `computed_before[req]`."""

@@ -69,6 +69,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         self._planner = None
         self._worker = None
         self._layer_index: dict[str, int] = {}
+        self._requests: dict[str, Any] = {}  # scheduler side, with store_decode: live Request objects
         self._events: KVEventTracker | None = None
         self._publisher: EventPublisher | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -198,6 +199,8 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         assert self._planner is not None
         tokens = compat.prompt_tokens(request)
         n = self._planner.match(request.request_id, tokens, num_computed_tokens)
+        if self._cfg.store_decode:
+            self._requests[request.request_id] = request  # its generated tokens, read each step
         if self._events is not None:
             self._events.add_request(request)
         return n, False  # synchronous: loading is layer-wise inside the step
@@ -226,6 +229,11 @@ class TuttiConnectorV1(KVConnectorBase_V1):
                 else:
                     p.update_request(req_id, new_block_ids=compat.first_group(blocks))
             computed[req_id] = cached.num_computed_tokens[i]
+        if self._cfg.store_decode:
+            for req_id in scheduler_output.num_scheduled_tokens:
+                req = self._requests.get(req_id)
+                if req is not None:
+                    p.sync_tokens(req_id, req.all_token_ids)
         plan = p.build_step(scheduler_output.num_scheduled_tokens, computed)
         if self._events is not None and plan.stores:
             self._events.planned(plan.stores)
@@ -240,6 +248,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._planner is not None
+        self._requests.pop(request.request_id, None)
         if self._events is not None:
             self._events.drop_request(request.request_id)
         return self._planner.finished(request.request_id), None
