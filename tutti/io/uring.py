@@ -36,7 +36,6 @@ from tutti.io.queue import (
     ALIGN,
     CountedCompletions,
     READ,
-    IOErrorWithRequest,
     IOFuture,
     IOQueue,
     IORequest,

@@ -10,7 +10,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -251,45 +251,8 @@ def block_ids_of(blocks: Any) -> list[int]:
     return first_group(blocks)
 
 
-def kv_events(events: Iterable[tuple[str, list[bytes]]], chunk_tokens: int, block_size: int) -> list[Any]:
-    """Planner events as vLLM KV cache events, marked as coming from storage."""
-    out: list[Any] = []
-    try:
-        from vllm.distributed.kv_events import BlockRemoved, BlockStored
-    except ImportError:  # pragma: no cover
-        return out
-    for kind, keys in events:
-        hashes = [int.from_bytes(k[:8], "little") for k in keys]
-        if kind == "stored":
-            out.append(_make_event(BlockStored, block_hashes=hashes, parent_block_hash=None, token_ids=[],
-                                   block_size=chunk_tokens, lora_id=None, medium="tutti"))
-        else:
-            out.append(_make_event(BlockRemoved, block_hashes=hashes, medium="tutti"))
-    return [e for e in out if e is not None]
-
-
-def _make_event(cls: Any, **fields: Any) -> Any:
-    import inspect
-
-    try:
-        params = inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        params = {}
-    kw = {k: v for k, v in fields.items() if k in params}
-    try:
-        return cls(**kw)
-    except TypeError:
-        return None
-
-
 # ------------------------------------------------------------------ feature detection and layout facts
 
-__all__ = [
-    "parse_version", "vllm_version", "has_transfer_results", "has_cross_layer_api",
-    "has_layout_api", "connector_classes", "make_transfer_results", "kv_cache_layout_name",
-    "attention_groups", "single_attention_spec", "layer_kv_cache_shape_and_order",
-    "BlockGeometry", "block_geometry",
-]
 
 
 def parse_version(s: str) -> tuple[int, int, int]:

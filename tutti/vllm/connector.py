@@ -12,7 +12,6 @@ layer by layer (tutti.engine.worker). This module only translates callbacks.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
@@ -26,7 +25,7 @@ from vllm.logger import init_logger
 
 from tutti.engine.config import EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
-from tutti.engine.session import Geometry, build_planner, build_worker, check_geometry
+from tutti.engine.session import build_planner, build_worker, check_geometry
 from tutti.vllm import compat
 from tutti.vllm.events import EventPublisher, KVEventTracker, expand_topic
 from tutti.vllm.stats import SchedulerStatsTracker, TuttiKVConnectorStats, TuttiPromMetrics, stats_from
