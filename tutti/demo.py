@@ -217,8 +217,8 @@ def serve(model_dir: str, root: str, prompts: list[list[int]], *, chunk_tokens: 
         # so each run's own path is warm before the timed prompts.
         generate_ids(llm, make_prompts(1, len(prompts[0]), seed=WARMUP_SEED), 1)
         flush_worker()
-        if conn is not None and conn.planner is not None:
-            conn.planner.stats_snapshot()  # count the timed prompts only
+        planner = conn.planner if conn is not None else None
+        before = planner.stats.copy() if planner is not None else None  # count the timed prompts only
         rows = []
         for p in prompts:
             t = time.perf_counter()
@@ -229,7 +229,7 @@ def serve(model_dir: str, root: str, prompts: list[list[int]], *, chunk_tokens: 
                          "first": list(out.outputs[0].token_ids)})
         outs = generate_ids(llm, prompts, gen_tokens)
         settle(llm)
-        stats = vars(conn.planner.stats_snapshot()) if conn is not None and conn.planner is not None else {}
+        stats = planner.stats.since(before) if planner is not None else {}
         return {"startup_s": startup, "rows": rows, "generated": [list(o.outputs[0].token_ids) for o in outs],
                 "stats": stats}
     finally:

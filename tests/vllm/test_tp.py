@@ -41,7 +41,7 @@ def phase():
     ranks = llm.collective_rpc(flush_and_describe)
     harness.generate_ids(llm, [[5, 6, 7]], 1)  # one more step delivers the last reports
     return {"outs": [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outs],
-            "stats": vars(conn.planner.stats_snapshot()), "ranks": ranks, "resident": len(conn.planner.index),
+            "stats": vars(conn.planner.stats), "ranks": ranks, "resident": len(conn.planner.index),
             "num_workers": conn.planner.num_workers, "num_writers": conn.planner.num_writers}
 
 results = [phase()]

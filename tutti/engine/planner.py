@@ -32,11 +32,13 @@ class PlannerStats:
     store_seconds: float = 0.0
     stores_skipped: int = 0
 
-    def snapshot_and_reset(self) -> "PlannerStats":
-        out = PlannerStats(**vars(self))
-        for k in vars(self):
-            setattr(self, k, type(getattr(self, k))())
-        return out
+    def since(self, earlier: "PlannerStats") -> dict[str, float]:
+        """Counters accumulated since `earlier` (a copy taken before), without resetting: the
+        metrics path reads the same cumulative counters as per-step deltas."""
+        return {k: v - getattr(earlier, k) for k, v in vars(self).items()}
+
+    def copy(self) -> "PlannerStats":
+        return PlannerStats(**vars(self))
 
 
 @dataclass
@@ -288,9 +290,6 @@ class Planner:
 
     def rebuild(self, entries: Mapping[int, bytes]) -> None:
         self.index.rebuild(entries)
-
-    def stats_snapshot(self) -> PlannerStats:
-        return self.stats.snapshot_and_reset()
 
     def capacity_used_bytes(self) -> int:
         return self.index.used_slots * self.slot_bytes
