@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import subprocess
 from pathlib import Path
 from typing import Any, Sequence
@@ -17,15 +16,10 @@ CHUNK = 32  # tokens a chunk: one vLLM block of 32
 
 
 def kv_config(root: str | os.PathLike, *, chunk: int = CHUNK, capacity: Any = "16MiB", **extra) -> dict:
-    cfg = {"root": str(root), "capacity_bytes": capacity, "chunk_tokens": chunk}
-    cfg.update(extra)
-    return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": cfg}
+    return harness.kv_config(root, chunk=chunk, capacity=capacity, **extra)
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, 500) for _ in range(n)]
+prompt = harness.prompt
 
 
 def tokens(outs) -> list[list[int]]:

@@ -100,3 +100,19 @@ def settle(llm) -> None:
     tiny step so its report is delivered."""
     flush_worker()
     generate_ids(llm, [[5, 6, 7]], 1)
+
+
+def kv_config(root: str | os.PathLike, *, chunk: int, capacity: Any, **extra: Any) -> dict:
+    """A kv_transfer_config for TuttiConnectorV1 over `root` (failed loads recompute)."""
+    cfg = {"root": str(root), "capacity_bytes": capacity, "chunk_tokens": chunk}
+    cfg.update(extra)
+    return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": cfg}
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """`n` reproducible random token ids of the tiny model's vocabulary (ids 0..3 are special)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(4, 500) for _ in range(n)]

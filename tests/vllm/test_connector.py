@@ -7,7 +7,6 @@ be identical whether the KV came from compute or from tutti's store.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -18,17 +17,10 @@ CHUNK = 64  # tokens a chunk: 2 vLLM blocks of 32
 
 
 def kv_config(root: Path, **extra) -> dict:
-    cfg = {"root": str(root), "capacity_bytes": "64MiB", "chunk_tokens": CHUNK}
-    cfg.update(extra)
-    return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": cfg}
+    return harness.kv_config(root, chunk=CHUNK, capacity="64MiB", **extra)
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(4, 500) for _ in range(n)]
+prompt = harness.prompt
 
 
 def child_run(model_dir, kvt, prompts, max_tokens=8, **llm_kw) -> list[dict]:
