@@ -37,11 +37,12 @@ llm = harness.make_llm(MODEL, kv_transfer_config=KVT, tensor_parallel_size=2, di
 conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
 
 def phase():
+    before = conn.planner.stats.copy()  # this phase's counters only
     outs = harness.generate_ids(llm, PROMPTS, 8)
     ranks = llm.collective_rpc(flush_and_describe)
     harness.generate_ids(llm, [[5, 6, 7]], 1)  # one more step delivers the last reports
     return {"outs": [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outs],
-            "stats": vars(conn.planner.stats), "ranks": ranks, "resident": len(conn.planner.index),
+            "stats": conn.planner.stats.since(before), "ranks": ranks, "resident": len(conn.planner.index),
             "num_workers": conn.planner.num_workers, "num_writers": conn.planner.num_writers}
 
 results = [phase()]
