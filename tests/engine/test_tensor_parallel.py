@@ -89,8 +89,9 @@ def plan_request(planner, req_id, tokens, blocks):
 def test_chunk_is_resident_only_once_every_rank_committed(tmp_path):
     caches = [mha_caches(0), mha_caches(1)]  # each rank holds a different shard
     w0 = mha_worker(tmp_path, mha_geom(0), caches[0])
-    # rank 1's staging ring has room for one store group: a step storing two chunks is skipped there
-    w1 = mha_worker(tmp_path, mha_geom(1), caches[1], max_inflight_stores=1, staging_slots=2, staging_bytes=2 * 8192)
+    # rank 1's store staging is full (another store still in flight): this step's stores are skipped there
+    w1 = mha_worker(tmp_path, mha_geom(1), caches[1])
+    busy = w1.stores.arena.take(w1.store_regions)
     planner = build_planner(config(tmp_path, mha_geom()), mha_geom())
     assert planner.num_workers == planner.num_writers == 2
     tokens = list(range(4, 4 + 2 * T + 1))
@@ -106,6 +107,8 @@ def test_chunk_is_resident_only_once_every_rank_committed(tmp_path):
     assert len(planner.index) == 0 and planner.stats.stores_committed == 0
     run_step(w1, pickle.loads(pickle.dumps(plan)))
     w1.flush()
+    for first, count in busy:
+        w1.stores.arena.release(first, count)
     rep1 = w1.take_report()
     assert rep1.stored == [] and len(rep1.store_failed) == 2 and rep1.stores_skipped == 2
     planner.on_report(rep1)

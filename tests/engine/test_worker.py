@@ -207,37 +207,49 @@ def test_corrupt_slab_is_caught_by_checksum(tmp_path):
     w = worker(tmp_path, dst)
     loads = [LoadChunk("q", bytes([0]) * 32, 0, (8, 9)), LoadChunk("q", bytes([1]) * 32, 1, (10, 11))]
     run_step(w, StepPlan(2, loads=loads))
+    # verified on the device, read back once after the step: the bad chunk's blocks are
+    # reported failed (vLLM drops the step's output for them and recomputes), the good one is exact
     assert w.take_failed_blocks() == {10, 11}
-    assert torch.equal(dst[0][[8, 9]], src[0][[0, 1]])
-    assert torch.equal(dst[1][[10, 11]], before[1][[10, 11]])  # nothing scattered from the bad segment
+    assert w.take_report().load_failed == [loads[1].key]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9]], s[[0, 1]])
+    assert not torch.equal(dst[1][[10, 11]], src[1][[2, 3]])  # the flipped byte is in layer 1
+    w.close()
+    # the chunk was journaled free: a fresh worker does not hold it any more
+    w = worker(tmp_path, make_caches(2))
+    run_step(w, StepPlan(3, loads=loads))
+    assert w.take_failed_blocks() == {10, 11}
     w.close()
 
 
 def test_full_staging_skips_stores_and_counts_them(tmp_path):
     caches = make_caches(0)
-    w = worker(tmp_path, caches, staging_slots=4, max_inflight_stores=1)
-    per_slot = w.per_slot
-    many = [StoreChunk("r", bytes([i]) * 32, i, (2 * (i % 12), 2 * (i % 12) + 1), ticket=i + 1)
-            for i in range(per_slot * 2)]  # needs 2 slots a layer; only 1 allowed
+    w = worker(tmp_path, caches)
+    busy = w.stores.arena.take(w.store_regions)  # every region held by stores still in flight
+    many = [StoreChunk("r", bytes([i]) * 32, i, (2 * i, 2 * i + 1), ticket=i + 1) for i in range(3)]
     run_step(w, StepPlan(1, stores=many))
     w.flush()
     rep = w.take_report()
     assert rep.stores_skipped == len(many) and sorted(rep.store_failed) == [s.ticket for s in many]
+    assert w.finished_requests({"r"}) == {"r"}  # skipped stores do not hold the request's blocks
+    for first, count in busy:
+        w.stores.arena.release(first, count)
     w.close()
 
 
-def test_stores_admitted_only_as_far_as_staging_holds_every_layer(tmp_path):
+def test_stores_admitted_only_as_far_as_staging_holds_whole_chunks(tmp_path):
     caches = make_caches(0)
-    # 8 slots; stores may hold 3 = one slot per layer for one group: the first group fits
-    w = worker(tmp_path, caches, staging_slots=8, max_inflight_stores=3, staging_bytes=8 * 16384)
-    per_slot = w.per_slot
-    many = [StoreChunk("r", bytes([i]) * 32, i, (2 * i, 2 * i + 1), ticket=i + 1) for i in range(per_slot + 2)]
+    chunk = geometry().slot_bytes
+    # stores may hold 2 slots of 8 KiB = 16 KiB: one chunk of 3 layers x 4 KiB fits, not two
+    w = worker(tmp_path, caches, staging_slots=4, max_inflight_stores=2, staging_bytes=4 * 8192)
+    assert w.store_regions == (2 * 8192) // chunk == 1
+    many = [StoreChunk("r", bytes([i]) * 32, i, (2 * i, 2 * i + 1), ticket=i + 1) for i in range(3)]
     run_step(w, StepPlan(1, stores=many))
     w.flush()
     rep = w.take_report()
-    assert sorted(rep.stored) == [s.ticket for s in many[:per_slot]]
-    assert sorted(rep.store_failed) == [s.ticket for s in many[per_slot:]] and rep.stores_skipped == 2
-    # the admitted chunks are whole: they load back bit-exact
+    assert sorted(rep.stored) == [many[0].ticket]
+    assert sorted(rep.store_failed) == [s.ticket for s in many[1:]] and rep.stores_skipped == 2
+    # the admitted chunk is whole: it loads back bit-exact
     dst = make_caches(1)
     w.close()
     w = worker(tmp_path, dst)
@@ -245,6 +257,50 @@ def test_stores_admitted_only_as_far_as_staging_holds_every_layer(tmp_path):
     assert w.take_failed_blocks() == set()
     for s, d in zip(caches, dst):
         assert torch.equal(d[[20, 21]], s[[0, 1]])
+    w.close()
+
+
+def test_a_chunk_is_written_with_one_request(tmp_path):
+    """Stores gather every layer after the forward and write each chunk whole."""
+    src = make_caches(0)
+    w = _wrapped_worker(tmp_path, src)
+    stores = [StoreChunk("r", bytes([i]) * 32, i, (2 * i, 2 * i + 1), ticket=i + 1) for i in range(3)]
+    w.start_step(StepPlan(1, stores=stores))
+    for layer in range(L):
+        w.wait_layer(layer)
+        w.save_layer(layer)
+        assert not w.queue.log  # nothing is written while layers compute
+    w.end_step()
+    w.flush()
+    writes = [(op, off) for _, op, off in w.queue.log if op == "write"]
+    assert sorted(off for _, off in writes) == [s.slot * geometry().slot_bytes for s in stores]
+    assert sorted(w.take_report().stored) == [1, 2, 3]
+    w.close()
+
+
+def test_whole_step_loads_finish_before_the_forward(tmp_path):
+    """A step without per-layer hooks (a FULL CUDA graph) gets every layer at start_step."""
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst)
+    loads = [LoadChunk("q", bytes([0]) * 32, 1, (8, 9)), LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]
+    w.start_step(StepPlan(2, loads=loads), layerwise=False)
+    for s, d in zip(src, dst):  # before any hook
+        assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
+    w.end_step()
+    assert w.take_failed_blocks() == set()
+    w.close()
+
+
+def test_loads_the_forward_did_not_wait_for_are_failed(tmp_path):
+    """Layer-wise loads whose hooks never ran (the forward computed without them) are never served."""
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(1, [0, 1])])
+    w = worker(tmp_path, make_caches(1))
+    w.start_step(StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 1, (8, 9))]))
+    w.end_step()  # no wait_layer: as if a graph replayed the forward
+    assert w.take_failed_blocks() == {8, 9}
     w.close()
 
 

@@ -65,7 +65,7 @@ def test_soak_thousand_requests_constant_eviction(tiny_model, tmp_path, report):
         worker = get_kv_transfer_group().worker
         # per-request state is released once requests finish
         leftovers = {"planner_requests": len(planner._reqs), "planner_tickets": len(planner._tickets),
-                     "worker_tickets": len(worker._tickets), "worker_inflight": sum(worker._req_inflight.values()),
+                     **{f"worker_{k}": v for k, v in worker.stores.leftovers().items()},
                      "pins": len(planner.index._pins), "pending": len(planner.index._pending)}
     mismatched = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
     assert not mismatched, f"{len(mismatched)} outputs differ from recompute, first at request {mismatched[0]}"

@@ -138,11 +138,11 @@ def test_prom_metrics_observe_counts_and_sets_per_engine():
 def test_nvtx_range_is_a_shared_noop_on_cpu(monkeypatch):
     import torch
 
-    from tutti.engine import worker
+    from tutti.engine import context
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present: ranges are real")
-    worker._nvtx_backend.cache_clear()
+    context._nvtx_backend.cache_clear()
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: calls.append(1) or False)
 
@@ -152,30 +152,30 @@ def test_nvtx_range_is_a_shared_noop_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda.nvtx, "range", boom)
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", boom)
     try:
-        ctxs = {id(worker.nvtx_range("read", i)) for i in range(1000)}
-        with worker.nvtx_range("scatter", 3), worker.nvtx_range("commit"):
+        ctxs = {id(context.nvtx_range("read", i)) for i in range(1000)}
+        with context.nvtx_range("scatter", 3), context.nvtx_range("commit"):
             pass
         # cheap: one shared null context, CUDA probed once for all calls
-        assert ctxs == {id(worker._NULL)} and len(calls) == 1
+        assert ctxs == {id(context._NULL)} and len(calls) == 1
     finally:
-        worker._nvtx_backend.cache_clear()
+        context._nvtx_backend.cache_clear()
 
 
 def test_nvtx_uses_tutti_prefix_when_cuda_is_present(monkeypatch):
     import torch
 
-    from tutti.engine import worker
+    from tutti.engine import context
 
-    worker._nvtx_backend.cache_clear()
+    context._nvtx_backend.cache_clear()
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda.nvtx, "range", lambda msg: seen.append(msg) or worker._NULL)
+    monkeypatch.setattr(torch.cuda.nvtx, "range", lambda msg: seen.append(msg) or context._NULL)
     monkeypatch.setitem(sys.modules, "nvtx", None)  # the nvtx package absent: torch with a prefix
     try:
-        worker.nvtx_range("load_wait", 5)
-        worker.nvtx_range("commit")
+        context.nvtx_range("load_wait", 5)
+        context.nvtx_range("commit")
     finally:
-        worker._nvtx_backend.cache_clear()
+        context._nvtx_backend.cache_clear()
     assert seen == ["tutti:load_wait.L5", "tutti:commit"]
 
 

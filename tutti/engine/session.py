@@ -159,6 +159,15 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
             f"= staging_bytes / staging_slots) is smaller than one segment ({geom.segment_bytes} B); raise "
             f"staging_bytes to at least {geom.segment_bytes * cfg.staging_slots} or lower chunk_tokens"
         )
+    arena = cfg.max_inflight_stores * cfg.staging_slot_bytes
+    if arena < geom.slot_bytes:
+        raise ValueError(
+            f"kv_connector_extra_config.max_inflight_stores={cfg.max_inflight_stores}: stores may hold {arena} B of "
+            f"staging (max_inflight_stores x {cfg.staging_slot_bytes} B slots), less than one chunk "
+            f"({geom.slot_bytes} B = {geom.num_layers} layers x {geom.segment_bytes} B); raise staging_bytes to at "
+            f"least {-(-geom.slot_bytes // cfg.max_inflight_stores) * cfg.staging_slots} or max_inflight_stores, "
+            "or lower chunk_tokens"
+        )
     return num_slots
 
 
@@ -266,6 +275,11 @@ class ReplicaReader:
             self._store.refresh()
         else:
             self._open()  # opening replays the journal
+
+    def refresh_if_changed(self) -> bool:
+        if self._store is None:
+            return self._open() is not None
+        return self._store.refresh_if_changed()
 
     def location(self, slot: int, layer: int = 0) -> tuple[int, int]:
         if self._store is None:

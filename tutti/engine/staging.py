@@ -28,8 +28,8 @@ class StagingRing:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError("staging buffer: expected a 1-D uint8 tensor")
         n = buffer.numel() // slot_bytes
-        if n < 2:
-            raise ValueError(f"staging: {buffer.numel()} B holds fewer than 2 slots of {slot_bytes} B")
+        if n < 1:
+            raise ValueError(f"staging: {buffer.numel()} B holds no slot of {slot_bytes} B")
         self.buffer = buffer
         self.slot_bytes = slot_bytes
         dev_buf = None
@@ -75,3 +75,75 @@ class StagingRing:
         with self._cv:
             self._free.append(slot.index)
             self._cv.notify()
+
+
+class RegionArena:
+    """Equal regions of one buffer, handed out as runs of consecutive regions.
+
+    A store holds a whole chunk (every layer, in the slab's slot order) in one region, so the
+    chunk goes to disk in one write; the chunks of a step take consecutive regions where they
+    can, so one gather launch fills them all. Regions come back when their write is done.
+    """
+
+    def __init__(self, buffer: torch.Tensor, offset: int, nbytes: int, region_bytes: int,
+                 device: torch.device | None = None) -> None:
+        """The arena is `buffer[offset:offset + nbytes]`; `buffer` is what the IO queue registered."""
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise ValueError("staging arena: expected a 1-D uint8 tensor")
+        self.buffer = buffer
+        self.offset = offset
+        self.region_bytes = region_bytes
+        self.num_regions = nbytes // region_bytes if region_bytes > 0 else 0
+        self.host = buffer[offset:offset + self.num_regions * region_bytes]
+        self.device = None
+        if device is not None and device.type == "cuda" and self.num_regions:
+            self.device = torch.empty(self.num_regions * region_bytes, dtype=torch.uint8, device=device)
+        self._free = [True] * self.num_regions
+        self._nfree = self.num_regions
+        self._lock = threading.Lock()
+
+    @property
+    def free_count(self) -> int:
+        with self._lock:
+            return self._nfree
+
+    def take(self, n: int) -> list[tuple[int, int]]:
+        """Up to `n` regions as (first, count) runs, longest runs first; fewer when full."""
+        with self._lock:
+            runs, start = [], None
+            for i, free in enumerate(self._free + [False]):
+                if free and start is None:
+                    start = i
+                elif not free and start is not None:
+                    runs.append((start, i - start))
+                    start = None
+            out, left = [], n
+            for first, count in sorted(runs, key=lambda r: -r[1]):
+                if left <= 0:
+                    break
+                take = min(count, left)
+                out.append((first, take))
+                left -= take
+                for i in range(first, first + take):
+                    self._free[i] = False
+                self._nfree -= take
+            return sorted(out)
+
+    def release(self, first: int, count: int) -> None:
+        with self._lock:
+            for i in range(first, first + count):
+                assert not self._free[i], "staging arena: region released twice"
+                self._free[i] = True
+            self._nfree += count
+
+    def buffer_offset(self, region: int) -> int:
+        """Byte offset of `region` in the buffer registered with the IO queue."""
+        return self.offset + region * self.region_bytes
+
+    def host_view(self, first: int, count: int) -> torch.Tensor:
+        return self.host[first * self.region_bytes:(first + count) * self.region_bytes]
+
+    def device_view(self, first: int, count: int) -> torch.Tensor | None:
+        if self.device is None:
+            return None
+        return self.device[first * self.region_bytes:(first + count) * self.region_bytes]

@@ -190,6 +190,7 @@ class Journal:
         self._compact_floor = 0  # after a compaction that hit ENOSPC, wait for this size
         self.compactions = 0
         self._fd: int | None = None
+        self._seen: tuple[int, int, int] | None = None  # (inode, size, mtime) last replayed, readers
         self.dropped_tail_bytes = 0  # torn/garbled bytes ignored at the last replay
         if writer:
             self._open_writer()
@@ -218,12 +219,22 @@ class Journal:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
+            self._seen = None
             self._load(b"")
             return
         try:
+            self._seen = _signature(os.fstat(fd))
             self._load(_read_all(fd))
         finally:
             os.close(fd)
+
+    def changed(self) -> bool:
+        """Reader: whether the file differs (size, mtime, inode) from the one last replayed:
+        one stat, so a reader can follow a live writer every step for microseconds."""
+        try:
+            return _signature(os.stat(self.path)) != self._seen
+        except FileNotFoundError:
+            return self._seen is not None
 
     def _load(self, data: bytes) -> None:
         state, end = decode(data)
@@ -356,3 +367,7 @@ def _unlink_quiet(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _signature(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns

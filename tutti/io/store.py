@@ -475,6 +475,15 @@ class ChunkStore:
         self.journal.reload()
         self._drop_out_of_range()
 
+    def refresh_if_changed(self) -> bool:
+        """Reader only: replay the journal if the writer changed it since the last replay."""
+        self._check_open()
+        assert self.journal is not None
+        if self.writer or not self.journal.changed():
+            return False
+        self.refresh()
+        return True
+
     def stats(self) -> StoreStats:
         self._check_open()
         assert self.journal is not None

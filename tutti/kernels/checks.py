@@ -41,7 +41,15 @@ def check_args(
     seg: torch.Tensor,
     kernel_blocks_per_block: int,
     seg_name: str,
+    id_range: tuple[int, int] | None = None,
 ) -> CopyPlan:
+    """Validate a gather/scatter call from host-side values only.
+
+    Block ids are range-checked from the host: a CPU ``block_ids`` is read directly; a device
+    ``block_ids`` needs ``id_range=(min, max)`` known on the host (the engine builds its ids
+    from host lists and passes it), else its min and max are read back, which makes the host
+    wait for the GPU: fine in a notebook, never on the serving path.
+    """
     if not isinstance(layout, PagedLayout):
         raise ValueError(f"layout={type(layout).__name__}: expected a PagedLayout (PagedLayout.from_tensor(t, roles))")
     if isinstance(caches, torch.Tensor):
@@ -87,7 +95,12 @@ def check_args(
         raise ValueError(f"block_ids.device={block_ids.device}: expected {device} (the caches' device)")
     n_manager = layout.num_blocks // k
     if block_ids.numel():
-        lo, hi = int(block_ids.min()), int(block_ids.max())
+        if id_range is not None:
+            if not (isinstance(id_range, tuple) and len(id_range) == 2 and all(isinstance(v, int) for v in id_range)):
+                raise ValueError(f"id_range={id_range!r}: expected a (min, max) tuple of ints, the bounds of block_ids")
+            lo, hi = id_range
+        else:  # free for a CPU tensor; for a device tensor a host sync (hot paths pass id_range)
+            lo, hi = int(block_ids.min()), int(block_ids.max())
         if lo < 0 or hi >= n_manager:
             raise ValueError(
                 f"block_ids hold values in [{lo}, {hi}]: expected manager block ids in [0, {n_manager}) "

@@ -45,9 +45,10 @@ def gather(
     out: torch.Tensor,
     *,
     kernel_blocks_per_block: int = 1,
+    id_range: tuple[int, int] | None = None,
 ) -> None:
     """Copy the blocks of each chunk into canonical segments ``out[l, n]`` (padding zeroed)."""
-    plan: CopyPlan = check_args(caches, layout, block_ids, out, kernel_blocks_per_block, "out")
+    plan: CopyPlan = check_args(caches, layout, block_ids, out, kernel_blocks_per_block, "out", id_range)
     seg = plan.seg
     if plan.num_chunks == 0:
         return
@@ -66,9 +67,10 @@ def scatter(
     src: torch.Tensor,
     *,
     kernel_blocks_per_block: int = 1,
+    id_range: tuple[int, int] | None = None,
 ) -> None:
     """Copy canonical segments ``src[l, n]`` back into the blocks of each chunk."""
-    plan: CopyPlan = check_args(caches, layout, block_ids, src, kernel_blocks_per_block, "src")
+    plan: CopyPlan = check_args(caches, layout, block_ids, src, kernel_blocks_per_block, "src", id_range)
     seg = plan.seg
     if plan.num_chunks == 0:
         return

@@ -23,7 +23,11 @@ from .layout import PagedLayout
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-@triton.jit
+# Sizes and strides that change from call to call are not specialized on (Triton would compile
+# a new kernel when one of them happens to be 1 or a multiple of 16): a request never pays a
+# compilation that the warm-up at start-up did not already do.
+@triton.jit(do_not_specialize=["ids_sn", "seg_sl", "seg_sn", "num_items", "num_chunks", "kb_per_chunk",
+                               "pad_words"])
 def _paged_copy_kernel(
     cache_ptr,  # word pointer: storage start of caches[0]
     layer_off_ptr,  # int64 [L]: word offset of each layer's base from cache_ptr (may be < 0)
@@ -122,7 +126,9 @@ def _layer_offsets(addrs: Sequence[int], base: int, ws: int, device: torch.devic
     if t is None:
         if len(_offset_cache) > 64:
             _offset_cache.clear()
-        t = torch.tensor([(a - base) // ws for a in addrs], dtype=torch.int64, device=device)
+        t = torch.tensor([(a - base) // ws for a in addrs], dtype=torch.int64)
+        if device.type == "cuda":  # pinned and asynchronous: a pageable copy would make the host wait
+            t = t.pin_memory().to(device, non_blocking=True)
         _offset_cache[key] = t
     return t
 
@@ -161,8 +167,9 @@ def _launch(
     block: Optional[int],
     num_warps: int = 4,
     group: Optional[int] = None,
+    id_range: Optional[tuple[int, int]] = None,
 ) -> None:
-    plan: CopyPlan = check_args(caches, layout, block_ids, seg, k, "out" if gather_dir else "src")
+    plan: CopyPlan = check_args(caches, layout, block_ids, seg, k, "out" if gather_dir else "src", id_range)
     if max_programs is not None and (not isinstance(max_programs, int) or max_programs < 1):
         raise ValueError(f"max_programs={max_programs!r}: expected None or a positive int")
     if group is not None and (not isinstance(group, int) or group < 1 or group & (group - 1)):
@@ -246,9 +253,10 @@ def gather(
     block: Optional[int] = None,
     num_warps: int = 4,
     group: Optional[int] = None,
+    id_range: Optional[tuple[int, int]] = None,
 ) -> None:
     """Copy the blocks of each chunk of every layer into ``out[l, n]`` (padding zeroed), one launch."""
-    _launch(caches, layout, block_ids, out, kernel_blocks_per_block, True, max_programs, block, num_warps, group)
+    _launch(caches, layout, block_ids, out, kernel_blocks_per_block, True, max_programs, block, num_warps, group, id_range)
 
 
 def scatter(
@@ -262,6 +270,7 @@ def scatter(
     block: Optional[int] = None,
     num_warps: int = 4,
     group: Optional[int] = None,
+    id_range: Optional[tuple[int, int]] = None,
 ) -> None:
     """Copy segments ``src[l, n]`` of every layer back into the blocks of each chunk, one launch."""
-    _launch(caches, layout, block_ids, src, kernel_blocks_per_block, False, max_programs, block, num_warps, group)
+    _launch(caches, layout, block_ids, src, kernel_blocks_per_block, False, max_programs, block, num_warps, group, id_range)

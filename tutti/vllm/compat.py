@@ -49,6 +49,28 @@ def release_global_connector(conn: Any) -> None:
         _state._KV_CONNECTOR_AGENT = None
 
 
+# ------------------------------------------------------------------ CUDA graphs
+def full_graph_step(forward_context: Any) -> bool:
+    """Whether this step replays a FULL CUDA graph: vLLM then runs the captured forward pass
+    without calling the per-layer hooks (wait_for_layer_load / save_kv_layer)."""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", None) == "FULL"
+
+
+def current_forward_context() -> Any | None:
+    """The forward context if vLLM has set one for this step (both 0.26 and 0.32 model runners
+    set it before binding the connector metadata; the 0.32 "v2" runner only before start_load_kv)."""
+    from vllm import forward_context as _fc
+
+    available = getattr(_fc, "is_forward_context_available", None)
+    if available is not None and not available():
+        return None
+    try:
+        return _fc.get_forward_context()
+    except (AssertionError, RuntimeError):
+        return None
+
+
 # ------------------------------------------------------------------ ranks and geometry
 def worker_ranks(vllm_config: Any) -> tuple[int, int]:
     """(tp_rank, pp_rank) of this process; (0, 0) where no parallel group exists (scheduler)."""

@@ -67,6 +67,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         check_geometry(self._cfg, self._geom)  # chunk vs block size, capacity, staging: before any IO
         self._planner = None
         self._worker = None
+        self._pending: StepPlan | None = None
         self._layer_index: dict[str, int] = {}
         self._requests: dict[str, Any] = {}  # scheduler side, with store_decode: live Request objects
         self._events: KVEventTracker | None = None
@@ -96,7 +97,9 @@ class TuttiConnectorV1(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True  # full CUDA-graph replay would skip the per-layer hooks
+        # FULL graphs stay on: a step that replays one runs no per-layer hooks, so its loads are
+        # all done before the forward (start_step(layerwise=False)) and stores never need hooks.
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
@@ -116,6 +119,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         except Exception:
             compat.release_global_connector(self)  # the engine will not start: do not haunt the next one
             raise
+        self._worker.warm_up()
         self._log_ready(layout, len(caches))
 
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
@@ -133,20 +137,32 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         rank = compat.worker_rank(self._vllm_config)
         (logger.info if rank == 0 else logger.debug)(
             "tutti: ready: backend=%s roots=%s capacity=%d B layout=%s kernel=%s layers=%d chunk=%d tokens "
-            "resident=%d chunks rank=%d",
+            "resident=%d chunks rank=%d kernels warmed up in %.2f s",
             w.queue.caps().backend, list(w.cfg.roots), self._cfg.capacity_bytes, layout, w.kernel.name,
-            num_layers, self._cfg.chunk_tokens, len(w._entries), rank,
+            num_layers, self._cfg.chunk_tokens, w.resident_chunks, rank, w.warmup_seconds,
         )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        # Start here, not in start_load_kv: vLLM calls that one after the forward pass when the
-        # step has no synchronous loads, and stores must be ready before the first layer runs.
+        # Start here, not in start_load_kv: vLLM 0.32 calls that one after the forward pass when
+        # the step has no synchronous loads. The forward context (set before this call by the
+        # model runner) says whether the step replays a FULL CUDA graph, which runs no hooks.
+        self._pending = None
         if self._worker is not None and isinstance(connector_metadata, TuttiConnectorMetadata):
-            self._worker.start_step(connector_metadata.plan)
+            fc = compat.current_forward_context()
+            if fc is None:  # the 0.32 "v2" runner sets it only around start_load_kv
+                self._pending = connector_metadata.plan
+            else:
+                self._start(connector_metadata.plan, fc)
+
+    def _start(self, plan: StepPlan, forward_context: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_step(plan, layerwise=not compat.full_graph_step(forward_context))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return None  # the step was started in bind_connector_metadata
+        if self._pending is not None:  # bound without a forward context: start now
+            plan, self._pending = self._pending, None
+            self._start(plan, forward_context)
 
     def _layer(self, layer_name: str) -> int:
         idx = self._layer_index.get(layer_name)
@@ -164,6 +180,9 @@ class TuttiConnectorV1(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self._worker is not None:
+            if self._pending is not None:  # never started (no start_load_kv): stores still count
+                plan, self._pending = self._pending, None
+                self._worker.start_step(plan, layerwise=True)
             self._worker.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -1,0 +1,210 @@
+"""What the load pipeline, the store pipeline and the writer share on one worker.
+
+`WorkerContext` holds the fixed facts (caches, layout, kernels, store, queue, sizes) and the
+host-side helpers every stage needs (a device index without a host sync, kernel keyword
+arguments); `Counters` holds the report and stats that stages add to from several threads;
+`JournalView` holds the journaled (key, per-layer checksums) of each slot.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tutti.engine.config import EngineConfig
+from tutti.engine.plan import WorkerReport
+from tutti.io.queue import IOQueue
+
+log = logging.getLogger("tutti.engine")
+
+U64 = (1 << 64) - 1
+STAT_FIELDS = ("bytes_loaded", "load_seconds", "bytes_stored", "store_seconds", "stores_skipped")
+_NULL = nullcontext()
+
+
+@functools.cache
+def _nvtx_backend():
+    """How ranges are emitted, decided once: None on the CPU (ranges are free no-ops), the `nvtx`
+    package's domain 'tutti' where it is installed, else torch.cuda.nvtx with a 'tutti:' message
+    prefix (torch has no domain argument; filter on the prefix in Nsight)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import nvtx  # type: ignore[import-not-found]
+
+        return functools.partial(nvtx.annotate, domain="tutti")
+    except ImportError:
+        return lambda msg: torch.cuda.nvtx.range(f"tutti:{msg}")
+
+
+def nvtx_range(stage: str, layer: int | None = None):
+    """An NVTX range around a pipeline stage (`read.L3`, `scatter.L3`, ...) where CUDA is
+    present; on the CPU a shared null context, with no string formatting."""
+    emit = _nvtx_backend()
+    if emit is None:
+        return _NULL
+    return emit(stage if layer is None else f"{stage}.L{layer}")
+
+
+def as_signed64(v: int) -> int:
+    """A journaled unsigned 64-bit checksum as the int64 bit pattern the kernels compute."""
+    v &= U64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _takes_id_range(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "id_range" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+@dataclass
+class WorkerContext:
+    cfg: EngineConfig
+    caches: list[torch.Tensor]
+    layout: Any
+    store: Any
+    queue: IOQueue
+    kernel: Any
+    checksum: Callable[[torch.Tensor], torch.Tensor]
+    seg: int  # segment bytes
+    chunk_tokens: int
+    kbpb: int  # kernel blocks per manager block
+    writes: bool  # False on a rank that only reads another rank's namespace (MLA under TP)
+    num_layers: int = field(init=False)
+    device: torch.device = field(init=False)
+    cuda: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_layers = len(self.caches)
+        self.device = self.caches[0].device
+        self.cuda = self.device.type == "cuda"
+        # A variant that accepts id_range gets the block ids' bounds from the host, so its
+        # launcher never reads the device tensor back (a host sync per launch otherwise).
+        self._ranged = _takes_id_range(self.kernel.gather) and _takes_id_range(self.kernel.scatter)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """One chunk, every layer: the slab's slot, and one store region."""
+        return self.num_layers * self.seg
+
+    @property
+    def seg_token_bytes(self) -> int:
+        return self.layout.num_heads * self.layout.content_bytes
+
+    def index(self, values) -> torch.Tensor:
+        """A small int64 tensor on the device, copied from pinned memory on the CURRENT stream
+        without blocking the host: a plain torch.tensor(..., device='cuda') is a pageable copy
+        that makes the host wait for it."""
+        t = torch.tensor(values, dtype=torch.int64)
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def kernel_kwargs(self, block_lists: Sequence[Sequence[int]]) -> dict:
+        kw: dict[str, Any] = {"kernel_blocks_per_block": self.kbpb}
+        if self._ranged:
+            flat = [b for ids in block_lists for b in ids]
+            if flat:
+                kw["id_range"] = (min(flat), max(flat))
+        return kw
+
+    def gather(self, caches: Sequence[torch.Tensor], block_lists: Sequence[Sequence[int]], out: torch.Tensor) -> None:
+        ids = self.index([list(b) for b in block_lists])
+        self.kernel.gather(list(caches), self.layout, ids, out, **self.kernel_kwargs(block_lists))
+
+    def scatter(self, caches: Sequence[torch.Tensor], block_lists: Sequence[Sequence[int]], src: torch.Tensor) -> None:
+        ids = self.index([list(b) for b in block_lists])
+        self.kernel.scatter(list(caches), self.layout, ids, src, **self.kernel_kwargs(block_lists))
+
+
+class Counters:
+    """The report for the scheduler and the stats for vLLM's metrics: the same counters, taken
+    apart at different times (vLLM asks for stats and for the report separately)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.report = WorkerReport()
+        self._stats: dict[str, float] = dict.fromkeys(STAT_FIELDS, 0)
+
+    def add(self, **amounts: float) -> None:
+        with self.lock:
+            self.add_locked(**amounts)
+
+    def add_locked(self, **amounts: float) -> None:
+        for name, v in amounts.items():
+            setattr(self.report, name, getattr(self.report, name) + v)
+            self._stats[name] += v
+
+    def take_stats(self) -> dict[str, float]:
+        with self.lock:
+            out, self._stats = self._stats, dict.fromkeys(STAT_FIELDS, 0)
+        return out
+
+    def take_report(self) -> WorkerReport:
+        with self.lock:
+            rep, self.report = self.report, WorkerReport()
+        return rep
+
+
+class JournalView:
+    """slot -> (key, per-layer checksums) as journaled, kept current by our own puts.
+
+    A reader follows another rank's writer: when its copy does not hold a planned chunk it
+    replays that journal, at most once a step.
+    """
+
+    def __init__(self, store, follows_writer: bool) -> None:
+        self.store = store
+        self.follows_writer = follows_writer
+        self._lock = threading.Lock()
+        self._entries = self._read()
+        self._refreshed = False
+
+    def _read(self) -> dict[int, tuple[bytes, tuple[int, ...]]]:
+        return {s: (e.key, tuple(e.checksums)) for s, e in self.store.entries().items()}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def new_step(self) -> None:
+        """A step with loads begins: a reader catches up with the writer's journal if it changed
+        (one stat), so checksums compared on the device are never stale ones."""
+        self._refreshed = False
+        if self.follows_writer and self.store.refresh_if_changed():
+            self._refreshed = True
+            fresh = self._read()
+            with self._lock:
+                self._entries = fresh
+
+    def checksums(self, slot: int, key: bytes) -> tuple[int, ...] | None:
+        """The journaled checksums of `slot` if it holds `key`, else None."""
+        with self._lock:
+            entry = self._entries.get(slot)
+        if (entry is None or entry[0] != key) and self.follows_writer and not self._refreshed:
+            self._refreshed = True
+            self.store.refresh()
+            fresh = self._read()
+            with self._lock:
+                self._entries = fresh
+                entry = self._entries.get(slot)
+        return entry[1] if entry is not None and entry[0] == key else None
+
+    def put(self, slot: int, key: bytes, checksums: Sequence[int]) -> None:
+        with self._lock:
+            self._entries[slot] = (key, tuple(checksums))
+
+    def drop(self, slot: int, key: bytes | None = None) -> None:
+        """Forget `slot` (only if it still holds `key`, when given)."""
+        with self._lock:
+            if key is None or self._entries.get(slot, (None,))[0] == key:
+                self._entries.pop(slot, None)

@@ -1,0 +1,269 @@
+"""The load pipeline: a step's hits, read from the store and scattered into the paged cache.
+
+Layer-wise (eager and PIECEWISE CUDA-graph steps): reads for the first `lookahead` layers go
+out when the step starts, each layer's hook moves the window one layer on, and the compute
+stream waits on one event per layer, so storage traffic hides behind compute.
+Whole-step (a FULL CUDA-graph step, where vLLM replays the forward without per-layer hooks):
+every layer is read and scattered before the forward, and the compute stream waits once.
+
+Nothing here makes the host wait for the GPU. Checksums are computed on the device and
+compared there with the journaled values; mismatches collect in a device tensor that is
+copied back once per step and read when vLLM asks for the failed blocks, after the forward.
+A mismatched chunk's blocks are then reported failed, so vLLM discards that step's output for
+the request and recomputes them: its KV never reaches an output. Read errors are known on the
+host and fail their chunk at once (nothing is scattered from it).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tutti.engine.context import Counters, JournalView, WorkerContext, as_signed64, log, nvtx_range
+from tutti.engine.plan import LoadChunk
+from tutti.engine.staging import StagingRing, StagingSlot
+from tutti.io.queue import READ, IOFuture, IORequest, submit_all
+
+
+@dataclass
+class _Item:
+    """One layer of a group of consecutive loads (`first` is the group's index in the step)."""
+
+    layer: int
+    first: int
+    chunks: list[LoadChunk]
+    slot: StagingSlot | None = None
+    futures: list[IOFuture] = field(default_factory=list)
+
+
+class LoadPipeline:
+    def __init__(self, ctx: WorkerContext, ring: StagingRing, journal: JournalView, counters: Counters,
+                 forget: Callable[[LoadChunk], None]) -> None:
+        self.ctx = ctx
+        self.ring = ring
+        self.journal = journal
+        self.counters = counters
+        self.forget = forget  # a corrupt or unreadable chunk: journal its slot free
+        self.per_slot = ring.slot_bytes // ctx.seg
+        if ctx.cuda:
+            self.stream = torch.cuda.Stream(ctx.device)
+        self._loads: list[LoadChunk] = []
+        self._sums: list[tuple[int, ...]] = []  # journaled checksums of each load
+        self._items: list[_Item] = []
+        self._next_submit = 0
+        self._next_process = 0
+        self._layer_events: dict[int, object] = {}
+        self._bad: torch.Tensor | None = None  # bool [loads, layers] on the device: checksum mismatches
+        self._bad_host: torch.Tensor | None = None
+        self._verified: object = None  # CUDA event: _bad_host holds the step's mismatches
+        self._failed_keys: set[bytes] = set()
+        self._failed_blocks: set[int] = set()
+        self._t0 = 0.0
+        self.trace: list[tuple[str, int, float]] | None = None
+
+    # ---------------------------------------------------------------- step
+    def start(self, loads: list[LoadChunk], *, layerwise: bool) -> None:
+        ctx = self.ctx
+        self.resolve()  # the last step's verdicts, if nobody asked for them
+        self._items, self._loads, self._sums = [], [], []
+        self._next_submit = self._next_process = 0
+        self._layer_events = {}
+        if loads:
+            self.journal.new_step()
+        for ld in loads:
+            sums = self.journal.checksums(ld.slot, ld.key)
+            if sums is None or len(sums) != ctx.num_layers:
+                self._fail(ld, "not in this worker's store")
+            else:
+                self._loads.append(ld)
+                self._sums.append(sums)
+        if not self._loads:
+            return
+        self._t0 = time.perf_counter()
+        if ctx.cuda:
+            # blocks just handed to these requests may still be in use by work already queued
+            # on the compute stream (a freed request's last step): scatter only after it
+            self.stream.wait_stream(torch.cuda.current_stream(ctx.device))
+        if ctx.cfg.verify_checksums:
+            with self._on_stream():
+                self._bad = torch.zeros((len(self._loads), ctx.num_layers), dtype=torch.bool, device=ctx.device)
+        for layer in range(ctx.num_layers):
+            for i in range(0, len(self._loads), self.per_slot):
+                self._items.append(_Item(layer, i, self._loads[i:i + self.per_slot]))
+        if layerwise:
+            self._pump(ctx.cfg.lookahead - 1)
+        else:
+            self.wait_layer(ctx.num_layers - 1)
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.ctx.cuda else nullcontext()
+
+    def wait_layer(self, layer: int) -> None:
+        """Before layer `layer` computes: its KV is in the cache (or its blocks marked failed)."""
+        if not self._items:
+            return
+        with nvtx_range("load_wait", layer):
+            while self._next_process < len(self._items) and self._items[self._next_process].layer <= layer:
+                self._pump(self._items[self._next_process].layer)
+                self._process(self._items[self._next_process])
+                self._next_process += 1
+            self._pump(layer + self.ctx.cfg.lookahead)
+            ev = None
+            for l in [k for k in self._layer_events if k <= layer]:
+                ev = self._layer_events.pop(l)  # the load stream is in order: the last one covers the rest
+            if ev is not None:
+                torch.cuda.current_stream(self.ctx.device).wait_event(ev)
+        if self.trace is not None and len(self.trace) < 100_000:
+            self.trace.append(("ready", layer, time.perf_counter()))
+
+    def after_layer(self, layer: int) -> None:
+        if self._items:
+            self._pump(layer + self.ctx.cfg.lookahead)
+
+    def finish(self) -> None:
+        """End of the step. Loads the forward pass did not wait for are failed, never served: a
+        step whose per-layer hooks did not run (a CUDA graph replayed without them) computed
+        without their KV."""
+        if not self._items:
+            return
+        unawaited = self._next_process < len(self._items)
+        if unawaited:
+            n_layers = len({it.layer for it in self._items[self._next_process:]})
+            self.wait_layer(self.ctx.num_layers - 1)  # finish the IO so the slots come back
+            log.warning("tutti: %d layers of %d loads were not awaited by the forward pass (no per-layer "
+                        "hook ran for them); vLLM recomputes them", n_layers, len(self._loads))
+            for ld in self._loads:
+                self._fail(ld, "the forward pass did not wait for this load")
+        self.counters.add(load_seconds=time.perf_counter() - self._t0)
+        if self._bad is not None:
+            if self.ctx.cuda:
+                with torch.cuda.stream(self.stream):
+                    self._bad_host = torch.empty(self._bad.shape, dtype=torch.bool, pin_memory=True)
+                    self._bad_host.copy_(self._bad, non_blocking=True)
+                    self._verified = torch.cuda.Event()
+                    self._verified.record(self.stream)
+            else:
+                self._bad_host = self._bad
+        self._items = []
+
+    def resolve(self) -> None:
+        """Read the step's checksum verdicts (once, after the forward) and fail the mismatches."""
+        if self._bad_host is None:
+            return
+        if self._verified is not None:
+            self._verified.synchronize()  # the load stream's last copy: done before the last layer ran
+        bad, loads, sums = self._bad_host, self._loads, self._sums
+        self._bad_host = self._bad = self._verified = None
+        if not bool(bad.any()):
+            return
+        for i, layers in enumerate(bad.tolist()):
+            if any(layers) and loads[i].key not in self._failed_keys:
+                ld, first = loads[i], layers.index(True)
+                self._fail(ld, f"checksum mismatch in layer {first} (stored {sums[i][first]:#018x})")
+                self.forget(ld)
+
+    def take_failed_blocks(self) -> set[int]:
+        self.resolve()
+        out, self._failed_blocks = self._failed_blocks, set()
+        self._failed_keys = set()
+        return out
+
+    # ---------------------------------------------------------------- per item
+    def _pump(self, max_layer: int) -> None:
+        """Submit reads for queued items up to `max_layer` while load slots are free."""
+        ctx = self.ctx
+        while self._next_submit < len(self._items):
+            item = self._items[self._next_submit]
+            if item.layer > max_layer:
+                return
+            slot = self.ring.try_acquire()
+            if slot is None:
+                return
+            item.slot = slot
+            reqs = []
+            for i, ld in enumerate(item.chunks):
+                if ld.key in self._failed_keys:
+                    continue
+                fd, off = ctx.store.location(ld.slot, item.layer)
+                reqs.append(IORequest(fd, off, self.ring.buffer, slot.offset + i * ctx.seg, ctx.seg, READ, tag=i))
+            with nvtx_range("read", item.layer):
+                item.futures = submit_all(ctx.queue, reqs)
+            if self.trace is not None and len(self.trace) < 100_000:
+                self.trace.append(("read", item.layer, time.perf_counter()))
+            self._next_submit += 1
+
+    def _process(self, item: _Item) -> None:
+        ctx, seg = self.ctx, self.ctx.seg
+        slot = item.slot
+        assert slot is not None
+        errors = {}
+        with nvtx_range("io_wait", item.layer):
+            for fut in item.futures:
+                try:
+                    fut.result()
+                except OSError as exc:
+                    errors[fut.request.tag] = exc
+        good: list[tuple[int, LoadChunk]] = []
+        for i, ld in enumerate(item.chunks):
+            if ld.key in self._failed_keys:
+                continue
+            if i in errors:
+                # A truncated or deleted slab reads short: the chunk is gone, so journal it free
+                # as for a checksum mismatch; otherwise every restart would plan and fail it again.
+                self._fail(ld, f"read of layer {item.layer} failed: {errors[i]}")
+                self.forget(ld)
+            else:
+                good.append((i, ld))
+        n = len(item.chunks)
+        ev = None
+        if good:
+            with self._on_stream():
+                src = slot.host[: n * seg].view(n, seg)
+                if ctx.cuda:
+                    slot.device[: n * seg].copy_(slot.host[: n * seg], non_blocking=True)
+                    src = slot.device[: n * seg].view(n, seg)
+                if self._bad is not None:
+                    with nvtx_range("verify", item.layer):
+                        want = ctx.index([as_signed64(self._sums[item.first + i][item.layer]) for i in range(n)])
+                        bad = self._bad[item.first:item.first + n, item.layer]
+                        torch.logical_or(bad, ctx.checksum(src) != want, out=bad)
+                with nvtx_range("scatter", item.layer):
+                    full = [(i, ld) for i, ld in good if ld.skip_blocks == 0]
+                    if full:
+                        rows = src if len(full) == n else src.index_select(0, ctx.index([i for i, _ in full]))
+                        ctx.scatter([ctx.caches[item.layer]], [ld.block_ids for _, ld in full], rows.unsqueeze(0))
+                    for i, ld in good:
+                        if ld.skip_blocks:
+                            self._scatter_partial(item.layer, src[i], ld)
+                if ctx.cuda:
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                    self._layer_events[item.layer] = ev
+            self.counters.add(bytes_loaded=len(good) * seg)
+        self.ring.release(slot, ev)
+
+    def _scatter_partial(self, layer: int, seg: torch.Tensor, ld: LoadChunk) -> None:
+        """Scatter only the blocks after `skip_blocks` (the rest is vLLM's own prefix cache)."""
+        ctx = self.ctx
+        bpc = len(ld.block_ids)
+        tok_bytes = ctx.seg_token_bytes
+        t0 = ld.skip_blocks * (ctx.chunk_tokens // bpc)
+        n_tok = ctx.chunk_tokens - t0
+        need = -(-(n_tok * tok_bytes) // 4096) * 4096
+        part = torch.zeros(need, dtype=torch.uint8, device=seg.device)
+        part[: n_tok * tok_bytes].copy_(seg[t0 * tok_bytes: ctx.chunk_tokens * tok_bytes])
+        ctx.scatter([ctx.caches[layer]], [ld.block_ids[ld.skip_blocks:]], part.view(1, 1, need))
+
+    def _fail(self, ld: LoadChunk, why: str) -> None:
+        if ld.key not in self._failed_keys:
+            log.warning("tutti: load of chunk %s for request %s failed: %s; vLLM recomputes it",
+                        ld.key.hex()[:16], ld.req_id, why)
+            self._failed_keys.add(ld.key)
+            with self.counters.lock:
+                self.counters.report.load_failed.append(ld.key)
+        self._failed_blocks.update(ld.block_ids[ld.skip_blocks:])
+

@@ -1,0 +1,230 @@
+"""The store pipeline: a step's new chunks, gathered once after the forward and written whole.
+
+Why after the forward, in one launch: a store never adds latency (the chunk is only needed by
+a later request), so nothing is gained by gathering layer by layer, while every per-layer
+hook costs host time inside the forward pass, and a full CUDA-graph step runs no hooks at all.
+At the end of a step (`wait_for_save`) each run of consecutive staging regions gets one gather
+of every layer (on a side stream after the compute stream's work), one checksum launch and
+one device-to-host copy; the writer thread then writes each chunk with one request (a chunk's
+layers lie contiguous in its slab slot, in the same order as in its staging region), makes it
+durable and journals it. A store that finds no free region is skipped and counted: the forward
+pass never waits for the disk.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from tutti.engine.context import U64, Counters, JournalView, WorkerContext, log, nvtx_range
+from tutti.engine.plan import StoreChunk
+from tutti.engine.staging import RegionArena
+from tutti.engine.writer import Writer
+from tutti.io.queue import WRITE, IORequest, submit_all
+
+
+@dataclass
+class _Run:
+    """Consecutive staging regions holding whole chunks, on their way to disk."""
+
+    first: int
+    chunks: list[StoreChunk]
+    sums: torch.Tensor  # int64 [chunks * layers], chunk-major (host, or pinned host on CUDA)
+    ready: object = None  # CUDA event: gather, checksums and device-to-host copy finished
+    free_slots: list[int] = field(default_factory=list)  # journal these free before writing
+    t0: float = 0.0
+
+
+class StorePipeline:
+    def __init__(self, ctx: WorkerContext, arena: RegionArena, journal: JournalView, counters: Counters,
+                 writer: Writer) -> None:
+        self.ctx = ctx
+        self.arena = arena
+        self.journal = journal
+        self.counters = counters
+        self.writer = writer
+        if ctx.cuda:
+            self.stream = torch.cuda.Stream(ctx.device)
+        self._lock = threading.RLock()  # tickets and per-request counts: main and writer threads
+        self._live: set[int] = set()  # tickets admitted and not yet done or failed
+        self._inflight: dict[str, int] = defaultdict(int)
+        self._had_stores: set[str] = set()
+        self._finished: set[str] = set()
+
+    # ---------------------------------------------------------------- step
+    def planned(self, stores: Sequence[StoreChunk]) -> None:
+        """The scheduler holds these requests' blocks until every worker reports them finished
+        (vLLM counts finished_sending per worker), whether this worker stores, skips or only reads."""
+        if stores:
+            with self._lock:
+                self._had_stores.update(st.req_id for st in stores)
+
+    def run(self, stores: Sequence[StoreChunk]) -> None:
+        """After the step's forward: gather every admitted chunk and hand it to the writer."""
+        if not stores or not self.ctx.writes:
+            return
+        runs = self.arena.take(len(stores))
+        admitted = sum(count for _, count in runs)
+        if admitted < len(stores):
+            self._skip(stores[admitted:], "no free staging region")
+        stores = list(stores[:admitted])
+        if not stores:
+            return
+        for st in stores:
+            self.journal.drop(st.slot)  # its old contents are gone from now on
+        with self._lock:
+            for st in stores:
+                self._live.add(st.ticket)
+                self._inflight[st.req_id] += 1
+        free_slots = [st.slot for st in stores]
+        t0 = time.perf_counter()
+        compute_done = None
+        if self.ctx.cuda:
+            compute_done = torch.cuda.Event()
+            compute_done.record(torch.cuda.current_stream(self.ctx.device))
+        i = 0
+        for first, count in runs:
+            group = stores[i:i + count]
+            i += count
+            with nvtx_range("gather"):
+                run = self._gather(first, group, compute_done)
+            run.free_slots, free_slots, run.t0 = free_slots, [], t0
+            self.writer.submit(lambda run=run: self._write(run))
+
+    def _gather(self, first: int, group: list[StoreChunk], compute_done) -> _Run:
+        ctx, n, L = self.ctx, len(group), self.ctx.num_layers
+        blocks = [st.block_ids for st in group]
+        host = self.arena.host_view(first, n)
+        if not ctx.cuda:
+            ctx.gather(ctx.caches, blocks, host.view(n, L, ctx.seg).transpose(0, 1))
+            return _Run(first, group, ctx.checksum(host.view(n * L, ctx.seg)))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(compute_done)
+            dev = self.arena.device_view(first, n)
+            ctx.gather(ctx.caches, blocks, dev.view(n, L, ctx.seg).transpose(0, 1))
+            sums = ctx.checksum(dev.view(n * L, ctx.seg))
+            host.copy_(dev, non_blocking=True)
+            sums_host = sums.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return _Run(first, group, sums_host, ready)
+
+    def preempt(self) -> None:
+        """Blocks of preempted requests are about to be reused: later work on the compute stream
+        runs after the gathers already queued (no host wait)."""
+        if self.ctx.cuda:
+            torch.cuda.current_stream(self.ctx.device).wait_stream(self.stream)
+
+    # ---------------------------------------------------------------- writer thread
+    def _write(self, run: _Run) -> None:
+        ctx, store = self.ctx, self.ctx.store
+        try:
+            if run.ready is not None:
+                with nvtx_range("d2h_wait"):
+                    run.ready.synchronize()  # releases the GIL while the copy finishes
+            sums = run.sums.tolist()
+            if run.free_slots:
+                store.record_free(run.free_slots)
+                store.sync_journal()
+            self._write_chunks(run, sums)
+        except Exception as exc:  # noqa: BLE001 - the chunks fail, the writer goes on
+            log.exception("tutti: store of %d chunks failed", len(run.chunks))
+            self._fail(run.chunks, f"writer error: {exc}", skipped=False)
+        finally:
+            self.arena.release(run.first, len(run.chunks))
+
+    def _write_chunks(self, run: _Run, sums: list[int]) -> None:
+        ctx, store, L = self.ctx, self.ctx.store, self.ctx.num_layers
+        cb, max_io = ctx.chunk_bytes, ctx.queue.caps().max_io_bytes
+        reqs = []
+        with self._lock:
+            live = [(i, st) for i, st in enumerate(run.chunks) if st.ticket in self._live]
+        for i, st in live:
+            fd, off = store.location(st.slot, 0)
+            for o in range(0, cb, max_io):  # one request a chunk, split only past the queue's limit
+                reqs.append(IORequest(fd, off + o, self.arena.buffer, self.arena.buffer_offset(run.first + i) + o,
+                                      min(max_io, cb - o), WRITE, tag=i))
+        errors: dict[int, BaseException] = {}
+        with nvtx_range("write"):
+            for fut in submit_all(ctx.queue, reqs):
+                try:
+                    fut.result()
+                except OSError as exc:
+                    errors.setdefault(fut.request.tag, exc)
+        done = []
+        for i, st in live:
+            if i in errors:
+                log.warning("tutti: store of chunk %s failed: %s", st.key.hex()[:16], errors[i])
+                self._fail([st], f"write failed: {errors[i]}", skipped=False)
+            else:
+                done.append((st, [int(s) & U64 for s in sums[i * L:(i + 1) * L]]))
+        if not done:
+            return
+        try:
+            with nvtx_range("commit"):
+                store.sync_data([st.slot for st, _ in done])
+                for st, cks in done:
+                    store.record_put(st.key, st.slot, cks)
+                store.sync_journal()
+        except OSError as exc:
+            log.warning("tutti: making %d chunks durable failed: %s", len(done), exc)
+            self._fail([st for st, _ in done], f"sync failed: {exc}", skipped=False)
+            return
+        for st, cks in done:
+            self.journal.put(st.slot, st.key, cks)
+        with self.counters.lock:
+            self.counters.report.stored.extend(st.ticket for st, _ in done)
+            self.counters.add_locked(bytes_stored=len(done) * ctx.chunk_bytes,
+                                     store_seconds=time.perf_counter() - run.t0)
+        self._done([st for st, _ in done])
+
+    # ---------------------------------------------------------------- bookkeeping
+    def _skip(self, stores: Sequence[StoreChunk], why: str, *, skipped: bool = True) -> None:
+        """Report these stores as not done. `skipped`: by choice (no staging room), as opposed to
+        failed (a write or sync error, a full disk): both free their slots, only the first is
+        counted in stores_skipped, so stores_failed - stores_skipped counts IO failures."""
+        log.debug("tutti: dropping %d stores: %s", len(stores), why)
+        with self.counters.lock:
+            if skipped:
+                self.counters.add_locked(stores_skipped=len(stores))
+            self.counters.report.store_failed.extend(st.ticket for st in stores)
+
+    def _fail(self, stores: Sequence[StoreChunk], why: str, *, skipped: bool = True) -> None:
+        with self._lock:
+            failed = [st for st in stores if st.ticket in self._live]
+        if failed:
+            self._skip(failed, why, skipped=skipped)
+            self._done(failed)
+
+    def _done(self, stores: Sequence[StoreChunk]) -> None:
+        with self._lock:
+            for st in stores:
+                if st.ticket in self._live:
+                    self._live.discard(st.ticket)
+                    self._inflight[st.req_id] -= 1
+
+    def finished_requests(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose stores are all done, among those vLLM says have finished."""
+        with self._lock:
+            self._finished |= {r for r in finished_req_ids if r in self._had_stores}
+            out = {r for r in self._finished if self._inflight.get(r, 0) <= 0}
+            for r in out:
+                self._finished.discard(r)
+                self._had_stores.discard(r)
+                self._inflight.pop(r, None)
+        return out
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._live)
+
+    def leftovers(self) -> dict[str, int]:
+        """Bookkeeping still held (a soak test checks that it drains)."""
+        with self._lock:
+            return {"tickets": len(self._live), "inflight": sum(self._inflight.values())}
