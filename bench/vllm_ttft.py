@@ -1,20 +1,25 @@
-"""Time to first token: recompute against tutti (disk, /dev/shm) and vLLM's own connectors.
+"""Serving cost and time to first token: tutti against no connector and vLLM's own connectors.
 
-One driver, one run, the same prompts and engine settings for every case; each case runs in a
-fresh process (one vLLM engine each) and prints a JSON line; the driver writes one table
-(JSON, Markdown and a plot).
+vLLM's default mode (torch.compile + CUDA graphs, FULL_AND_PIECEWISE) unless --eager. One
+driver, the same prompts and engine settings for every case; each case runs in a fresh process
+(one vLLM engine each) and prints a JSON line; the driver writes one table (JSON, Markdown,
+plot) with every figure as a ratio to the no-connector case of the same run.
 
-Cases: recompute (no connector), tutti on disk (O_DIRECT, no page cache), tutti on /dev/shm,
-vLLM's OffloadingConnector (CPU tier), vLLM's ExampleConnector. For each prompt length:
-  run 1: prefill (and store), max_tokens=1, timed
+Cases: recompute (no connector), recompute_piecewise (no connector, cudagraph_mode=PIECEWISE:
+what forcing PIECEWISE would cost), tutti on /dev/shm, tutti on disk (O_DIRECT), vLLM's
+OffloadingConnector (CPU tier), vLLM's ExampleConnector. The warm-up stores nothing, so the
+first hit of the first length is the first load ever (it would pay any kernel compilation).
+For each prompt length:
+  first prefill (and store), max_tokens=1, timed, with synchronizing CUDA calls counted
   settle: every store finished, vLLM's prefix cache reset
-  run 2: the same prompt: a hit from the connector (recompute for the no-connector case)
-  check: 16 greedy tokens from the hit, compared across cases
-Decode: a batch of requests with fresh prompts, time per output token with the connector
-storing, against no connector. The storage ceiling (raw reads of tutti's slab files through
-io_uring and threads in the same run) sits next to tutti's load throughput.
+  hit: the same prompt (a hit from the connector; recompute without one), timed, syncs counted
+  16 greedy tokens from a hit, compared across cases; a later hit, timed
+Decode: time per output token of 16 requests x 128 tokens whose prompts are shorter than a
+chunk (idle: nothing to store), and of 8 requests whose 2048-token prompts are being stored
+while they decode. The storage ceiling (raw reads of tutti's slab files through io_uring and
+threads in the same run) sits next to tutti's load throughput.
 
-    python3 bench/vllm_ttft.py --out results/ttft [--lengths 4096,16384,32768] [--tiny]
+    python3 bench/vllm_ttft.py --out results/ttft [--lengths 8192,32768] [--eager] [--tiny]
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ def prompt(seed: int, n: int, vocab: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- one case
 def connector_config(case: str, a) -> dict | None:
-    if case == "recompute":
+    if case.startswith("recompute"):
         return None
     if case.startswith("tutti"):
         root = a.disk_root if case == "tutti_disk" else a.shm_root
@@ -76,18 +81,53 @@ def connector_config(case: str, a) -> dict | None:
     raise ValueError(case)
 
 
+def count_syncs(fn):
+    """Run fn() with torch's sync debug mode on: (result, {"tutti": n, "vllm": n, "other": n})
+    synchronizing CUDA calls, by the file that made them."""
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return fn(), {}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    counts = {"tutti": 0, "vllm": 0, "other": 0}
+    where: dict[str, int] = {}
+    for w in seen:
+        if "synchroniz" not in str(w.message):
+            continue
+        f = w.filename.replace(os.sep, "/")
+        who = "tutti" if "/tutti/" in f else "vllm" if "/vllm/" in f else "other"
+        counts[who] += 1
+        if who == "tutti":
+            where[f"{f.split('/tutti/')[-1]}:{w.lineno}"] = where.get(f"{f.split('/tutti/')[-1]}:{w.lineno}", 0) + 1
+    counts["tutti_sites"] = where
+    return out, counts
+
+
 def run_case(case: str, a) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     from vllm import LLM, SamplingParams
 
     kvt = connector_config(case, a)
-    kw = dict(model=a.model, skip_tokenizer_init=True, enforce_eager=True, load_format="dummy", seed=0,
+    kw = dict(model=a.model, skip_tokenizer_init=True, load_format="dummy", seed=0,
               gpu_memory_utilization=a.gpu_mem, max_model_len=max(a.lengths) + 512,
               max_num_batched_tokens=max(a.lengths) + 512, enable_prefix_caching=True, dtype="bfloat16")
+    if a.eager:
+        kw["enforce_eager"] = True
+    elif case == "recompute_piecewise":
+        kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     if not torch.cuda.is_available():  # the CPU build (a smoke run of this script)
-        kw.update(block_size=32, dtype="float32")
+        kw.update(block_size=32, dtype="float32", enforce_eager=True)
         kw.pop("gpu_memory_utilization")
+        kw.pop("compilation_config", None)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     elif a.kernel_config:
         kw["kernel_config"] = {"enable_flashinfer_autotune": False, "enable_cutedsl_warmup": False}
@@ -125,12 +165,13 @@ def run_case(case: str, a) -> dict:
             time.sleep(0.2 if worker is not None else 1.0)
         llm.reset_prefix_cache()
 
-    gen([prompt(998, 64, vocab)], one)  # warm-up
-    res = {"case": case, "engine_start_s": start_s, "lengths": {}}
+    gen([prompt(998, 64, vocab)], one)  # warm-up: shorter than a chunk, nothing stored or loaded
+    res = {"case": case, "engine_start_s": start_s, "lengths": {},
+           "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
     for n in a.lengths:
         p = prompt(n, n, vocab)
         llm.reset_prefix_cache()
-        t1, o1 = gen([p], one)
+        (t1, o1), sync1 = count_syncs(lambda: gen([p], one))
         settle()
         if case == "tutti_disk" and a.drop_caches:
             try:
@@ -138,19 +179,30 @@ def run_case(case: str, a) -> dict:
                     f.write("3\n")
             except OSError:
                 pass
-        t2, o2 = gen([p], one)
+        (t2, o2), sync2 = count_syncs(lambda: gen([p], one))
         llm.reset_prefix_cache()
         _, o3 = gen([p], sixteen)  # a hit again (the connector), 16 tokens to compare across cases
-        res["lengths"][str(n)] = {"first_s": t1, "hit_s": t2, "cached_tokens": o2[0].num_cached_tokens,
+        llm.reset_prefix_cache()
+        t4, _ = gen([p], one)  # a later hit: the first one had nothing left to compile
+        res["lengths"][str(n)] = {"first_s": t1, "hit_s": t2, "later_hit_s": t4,
+                                  "cached_tokens": o2[0].num_cached_tokens,
+                                  "syncs_first": sync1, "syncs_hit": sync2,
                                   "tokens16": list(o3[0].outputs[0].token_ids),
                                   "first_token_run1": list(o1[0].outputs[0].token_ids),
                                   "first_token_run2": list(o2[0].outputs[0].token_ids)}
-    # decode: fresh prompts, stores running during the batch
-    batch = [prompt(5000 + i, a.decode_prompt, vocab) for i in range(a.decode_batch)]
-    t_one, _ = gen(batch, one)
-    batch = [prompt(6000 + i, a.decode_prompt, vocab) for i in range(a.decode_batch)]
-    t_many, _ = gen(batch, SamplingParams(max_tokens=a.decode_tokens, temperature=0, detokenize=False, ignore_eos=True))
-    res["decode_itl_ms"] = 1e3 * (t_many - t_one) / (a.decode_tokens - 1)
+        llm.reset_prefix_cache()
+
+    def itl(seed: int, batch: int, plen: int, tokens: int) -> float:
+        """ms per decode step: (batch x tokens) minus (batch x 1) over fresh prompts of the same shape."""
+        t_one, _ = gen([prompt(seed + i, plen, vocab) for i in range(batch)], one)
+        t_many, _ = gen([prompt(seed + 500 + i, plen, vocab) for i in range(batch)],
+                        SamplingParams(max_tokens=tokens, temperature=0, detokenize=False, ignore_eos=True))
+        return 1e3 * (t_many - t_one) / (tokens - 1)
+
+    # decode, idle: prompts shorter than a chunk, nothing to store
+    res["decode_idle_ms"] = itl(4000, a.idle_batch, a.idle_prompt, a.idle_tokens)
+    # decode while storing: fresh long prompts whose chunks are written while they decode
+    res["decode_itl_ms"] = itl(5000, a.decode_batch, a.decode_prompt, a.decode_tokens)
     try:
         conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
         planner = getattr(conn, "planner", None)
@@ -163,6 +215,8 @@ def run_case(case: str, a) -> dict:
             w = get_kv_transfer_group().worker
             res["tutti"]["backend"] = w.queue.caps().backend
             res["tutti"]["kernel"] = w.kernel.name
+            res["tutti"]["warmup_s"] = w.warmup_seconds
+            res["tutti"]["whole_steps"] = dict(w.whole_steps)
             res["tutti"]["layer_trace"] = (getattr(w, "trace", None) or [])[-200:]
     except Exception as exc:  # noqa: BLE001 - the timings above are worth keeping
         res["stats_error"] = repr(exc)
@@ -208,8 +262,10 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/ttft")
     ap.add_argument("--model", default="")
     ap.add_argument("--tiny", action="store_true", help="a 4-layer model (a quick check)")
-    ap.add_argument("--lengths", default="4096,16384,32768")
-    ap.add_argument("--cases", default="recompute,tutti_shm,tutti_disk,offloading,example")
+    ap.add_argument("--lengths", default="8192,32768")
+    ap.add_argument("--cases", default="recompute,recompute_piecewise,tutti_shm,offloading",
+                    help="also: tutti_disk, example")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager=True (host-bound steps; not the default)")
     ap.add_argument("--disk-root", default="/tmp/tutti-ttft-disk")
     ap.add_argument("--shm-root", default="/dev/shm/tutti-ttft")
     ap.add_argument("--example-root", default="/dev/shm/example-ttft")
@@ -219,6 +275,9 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-prompt", type=int, default=2048)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--idle-batch", type=int, default=16)
+    ap.add_argument("--idle-prompt", type=int, default=128)
+    ap.add_argument("--idle-tokens", type=int, default=128)
     ap.add_argument("--drop-caches", action="store_true", default=True)
     ap.add_argument("--kernel-config", action="store_true", default=True)
     ap.add_argument("--timeout", type=int, default=170)
@@ -240,7 +299,9 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--case", case, "--model", a.model, "--lengths", ",".join(map(str, a.lengths)),
                "--disk-root", a.disk_root, "--shm-root", a.shm_root, "--example-root", a.example_root,
                "--capacity", a.capacity, "--staging", a.staging, "--gpu-mem", str(a.gpu_mem), "--decode-batch", str(a.decode_batch),
-               "--decode-prompt", str(a.decode_prompt), "--decode-tokens", str(a.decode_tokens)]
+               "--decode-prompt", str(a.decode_prompt), "--decode-tokens", str(a.decode_tokens),
+               "--idle-batch", str(a.idle_batch), "--idle-prompt", str(a.idle_prompt),
+               "--idle-tokens", str(a.idle_tokens)] + (["--eager"] if a.eager else [])
         t0 = time.time()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
@@ -277,30 +338,39 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _ratio(x, y) -> str:
+    return f"{x / y:.2f}x" if x and y else "-"
+
+
 def summarize(results: list[dict], ceil: dict, a) -> dict:
     ok = {r["case"]: r for r in results if "error" not in r}
     ref = ok.get("recompute")
+    mode = "eager (enforce_eager=True)" if a.eager else "default (torch.compile + CUDA graphs)"
     rows = []
-    md = ["| prompt tokens | case | TTFT run 1 (s) | TTFT hit (s) | cached tokens | x recompute | tokens = recompute |",
-          "|---|---|---|---|---|---|---|"]
+    md = [f"vLLM mode: {mode}. Ratios: to the no-connector case (recompute) of this run.", "",
+          "| prompt tokens | case | first prefill (s) | x | hit (s) | x | later hit (s) | first hit / later | "
+          "cached tokens | tokens = recompute | tutti syncs first / hit |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in a.lengths:
         key = str(n)
-        base = ref["lengths"][key]["hit_s"] if ref else None
+        base = ref["lengths"][key] if ref else {}
         for case, r in ok.items():
             d = r["lengths"][key]
-            same = ref is not None and d["tokens16"] == ref["lengths"][key]["tokens16"]
-            speed = base / d["hit_s"] if base else None
-            rows.append({"n": n, "case": case, **{k: d[k] for k in ("first_s", "hit_s", "cached_tokens")},
-                         "speedup": speed, "same_tokens": same})
-            md.append(f"| {n} | {case} | {d['first_s']:.3f} | {d['hit_s']:.3f} | {d['cached_tokens']} | "
-                      f"{speed:.2f} | {same} |" if speed else f"| {n} | {case} | {d['first_s']:.3f} | {d['hit_s']:.3f} | "
-                      f"{d['cached_tokens']} | - | {same} |")
-    md.append("")
-    md.append("| case | decode ITL (ms) | x no connector |")
-    md.append("|---|---|---|")
+            same = ref is not None and d["tokens16"] == base["tokens16"]
+            syncs = f"{d['syncs_first'].get('tutti', '-')} / {d['syncs_hit'].get('tutti', '-')}"
+            rows.append({"n": n, "case": case, **{k: d[k] for k in ("first_s", "hit_s", "later_hit_s", "cached_tokens")},
+                         "first_x": d["first_s"] / base["first_s"] if base else None,
+                         "hit_x": d["hit_s"] / base["hit_s"] if base else None,
+                         "same_tokens": same, "syncs_first": d["syncs_first"], "syncs_hit": d["syncs_hit"]})
+            md.append(f"| {n} | {case} | {d['first_s']:.3f} | {_ratio(d['first_s'], base.get('first_s'))} | "
+                      f"{d['hit_s']:.3f} | {_ratio(d['hit_s'], base.get('hit_s'))} | {d['later_hit_s']:.3f} | "
+                      f"{_ratio(d['hit_s'], d['later_hit_s'])} | {d['cached_tokens']} | {same} | {syncs} |")
+    md += ["", "| case | decode ms/token idle | x | decode ms/token while storing | x | cudagraph mode |",
+           "|---|---|---|---|---|---|"]
     for case, r in ok.items():
-        rel = r["decode_itl_ms"] / ref["decode_itl_ms"] if ref else float("nan")
-        md.append(f"| {case} | {r['decode_itl_ms']:.2f} | {rel:.3f} |")
+        md.append(f"| {case} | {r['decode_idle_ms']:.2f} | {_ratio(r['decode_idle_ms'], ref and ref['decode_idle_ms'])} | "
+                  f"{r['decode_itl_ms']:.2f} | {_ratio(r['decode_itl_ms'], ref and ref['decode_itl_ms'])} | "
+                  f"{r.get('cudagraph_mode')} |")
     md.append("")
     for case in ("tutti_disk", "tutti_shm"):
         if case in ok and "tutti" in ok[case]:
@@ -310,7 +380,17 @@ def summarize(results: list[dict], ceil: dict, a) -> dict:
             md.append(f"- {case}: pipeline load {gbps:.2f} GB/s (bytes loaded / seconds from step start to last layer); "
                       f"storage ceiling io_uring {c.get('uring_GBps', float('nan')):.2f} GB/s, threads "
                       f"{c.get('threads_GBps', float('nan')):.2f} GB/s; backend {t.get('backend')}, kernel {t.get('kernel')}; "
-                      f"stores committed {t['stores_committed']}, failed {t['stores_failed']}, load failures {t['loads_failed']}")
+                      f"kernels warmed up in {t.get('warmup_s', 0):.2f} s at start-up; steps without hooks (FULL "
+                      f"graphs) with loads/stores {t.get('whole_steps')}; stores committed {t['stores_committed']}, "
+                      f"skipped {t['stores_skipped']}, failed {t['stores_failed']}, load failures {t['loads_failed']}")
+    for case, r in ok.items():
+        sites = {}
+        for d in r["lengths"].values():
+            for k in ("syncs_first", "syncs_hit"):
+                for site, c in d[k].get("tutti_sites", {}).items():
+                    sites[site] = sites.get(site, 0) + c
+        if sites:
+            md.append(f"- {case}: tutti's synchronizing calls by site: {sites}")
     for r in results:
         if "error" in r:
             md.append(f"- {r['case']}: ERROR {r['error'][-400:]!r}")

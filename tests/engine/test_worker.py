@@ -309,3 +309,36 @@ def test_second_writer_on_one_root_is_refused(tmp_path):
     with pytest.raises(Exception, match="(?i)lock|in use|writer"):
         worker(tmp_path, make_caches(1))
     w.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host/device synchronization exists only on CUDA")
+def test_a_step_of_loads_and_stores_never_makes_the_host_wait(tmp_path):
+    """torch's sync debug mode raises on any synchronizing CUDA call (.item(), .tolist(),
+    pageable copies, stream/device synchronize) made inside a step's loads and stores."""
+    if DEV != "cuda":
+        pytest.skip("CUDA case only")
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst)
+    w.warm_up()
+    loads = [LoadChunk("q", bytes([0]) * 32, 1, (8, 9)), LoadChunk("q", bytes([1]) * 32, 2, (10, 11, ))]
+    stores = [StoreChunk("q", bytes([9]) * 32, 5, (12, 13), ticket=7)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for layerwise in (True, False):
+            w.start_step(StepPlan(2, loads=loads, stores=stores if layerwise else []), layerwise=layerwise)
+            for layer in range(L):
+                w.wait_layer(layer)
+                w.save_layer(layer)
+            w.end_step()
+            failed = w.take_failed_blocks()  # the one read-back: an event wait, not a sync call
+            assert failed == set()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    w.flush()
+    assert w.take_report().stored == [7]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
+    w.close()

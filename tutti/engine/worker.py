@@ -62,6 +62,9 @@ class WorkerPipeline:
         self.loads = LoadPipeline(self.ctx, ring, self.journal, self.counters, self._forget)
         self.stores = StorePipeline(self.ctx, arena, self.journal, self.counters, self.writer)
         self._plan: StepPlan | None = None
+        self._layerwise = True
+        # steps that ran without per-layer hooks (FULL CUDA graphs) and still loaded or stored
+        self.whole_steps = {"loads": 0, "stores": 0}
         self._closed = False
         self.warmup_seconds = 0.0
         # TUTTI_TRACE=1: (event, layer, perf_counter) of reads submitted and layers made ready,
@@ -114,7 +117,9 @@ class WorkerPipeline:
     def start_step(self, plan: StepPlan, *, layerwise: bool = True) -> None:
         """Bind a step's plan. `layerwise=False` for a step whose forward runs no per-layer hooks
         (a FULL CUDA graph): every load is then done here, before the forward."""
-        self._plan = plan
+        self._plan, self._layerwise = plan, layerwise
+        if plan.loads and not layerwise:
+            self.whole_steps["loads"] += 1
         self.loads.start(list(plan.loads), layerwise=layerwise)
         self.stores.planned(plan.stores)
 
@@ -134,6 +139,8 @@ class WorkerPipeline:
             return
         with self.counters.lock:
             self.counters.report.steps_done.append(plan.step)
+        if plan.stores and not self._layerwise:
+            self.whole_steps["stores"] += 1
         self.stores.run(plan.stores)
 
     def take_failed_blocks(self) -> set[int]:
