@@ -48,7 +48,7 @@ def run_case(case: str, model: str, root: str) -> dict:
     if case == "tutti":
         kw["kv_transfer_config"] = {
             "kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": {
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
                 "root": root, "capacity_bytes": "4GiB", "chunk_tokens": CHUNK, "store_decode": True}}
     llm = LLM(**kw)
     eng = llm.llm_engine
@@ -106,6 +106,7 @@ def run_case(case: str, model: str, root: str) -> dict:
 
         planner = eng.engine_core.engine_core.scheduler.connector.planner
         st = {k: getattr(planner.stats, k) for k in ("hit_tokens", "stores_committed", "loads_failed")}
+        st["recent_steps"] = list(worker.recent_steps)
     return {"case": case, "cudagraph_mode": mode, "batch": res1, "decode_store": res2, "decode_hit": res3,
             "whole_steps_batch": {k: mid.get(k, 0) - before.get(k, 0) for k in mid},
             "whole_steps_decode": {k: after.get(k, 0) - mid.get(k, 0) for k in after}, "stats": st}
@@ -130,6 +131,7 @@ def main() -> None:
                            capture_output=True, text=True, timeout=400)
         lines = [l for l in p.stdout.splitlines() if l.startswith("CASE_RESULT ")]
         res[case] = json.loads(lines[-1][12:]) if lines else {"error": (p.stderr or p.stdout)[-3000:]}
+        res[case]["tutti_log"] = [l for l in p.stderr.splitlines() if "tutti" in l][-40:]
     ok = all("error" not in r for r in res.values())
     summary = {"ok": ok}
     if ok:
@@ -142,7 +144,7 @@ def main() -> None:
             decode_hit_tokens_equal=ref["decode_hit"]["q2"]["tokens"] == tut["decode_hit"]["q2"]["tokens"],
             decode_hit_cached_tokens=tut["decode_hit"]["q2"]["cached"],
             whole_steps_batch=tut["whole_steps_batch"], whole_steps_decode=tut["whole_steps_decode"],
-            stats=tut["stats"])
+            stats=tut["stats"], tutti_log=tut["tutti_log"][-12:])
     with open(os.path.join(a.out, "full_graph.json"), "w") as f:
         json.dump({"summary": summary, "cases": res}, f, indent=1)
     print("FULL_GRAPH " + json.dumps(summary))

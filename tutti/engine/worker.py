@@ -14,6 +14,7 @@ same code runs with synchronous kernels.
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Callable, Sequence
 
@@ -65,6 +66,8 @@ class WorkerPipeline:
         self._layerwise = True
         # steps that ran without per-layer hooks (FULL CUDA graphs) and still loaded or stored
         self.whole_steps = {"loads": 0, "stores": 0}
+        # (step, layerwise, loads, stores) of the last steps that moved anything: for debugging
+        self.recent_steps: collections.deque = collections.deque(maxlen=64)
         self._closed = False
         self.warmup_seconds = 0.0
         # TUTTI_TRACE=1: (event, layer, perf_counter) of reads submitted and layers made ready,
@@ -120,6 +123,8 @@ class WorkerPipeline:
         self._plan, self._layerwise = plan, layerwise
         if plan.loads and not layerwise:
             self.whole_steps["loads"] += 1
+        if plan.loads or plan.stores:
+            self.recent_steps.append((plan.step, layerwise, len(plan.loads), len(plan.stores)))
         self.loads.start(list(plan.loads), layerwise=layerwise)
         self.stores.planned(plan.stores)
 
