@@ -50,16 +50,23 @@ def release_global_connector(conn: Any) -> None:
 
 
 # ------------------------------------------------------------------ CUDA graphs
-def full_graph_step(forward_context: Any) -> bool:
-    """Whether this step replays a FULL CUDA graph: vLLM then runs the captured forward pass
-    without calling the per-layer hooks (wait_for_layer_load / save_kv_layer)."""
+def step_runs_layer_hooks(forward_context: Any | None) -> bool:
+    """Whether vLLM will call the per-layer hooks (wait_for_layer_load / save_kv_layer) in the
+    step whose connector metadata is being bound.
+
+    A FULL CUDA graph replays the captured forward pass without them. The V1 model runner binds
+    the metadata inside the step's forward context, whose cudagraph_runtime_mode says FULL; the
+    V2 model runner (0.26+) binds it with no forward context at all before a FULL replay, and
+    inside one (PIECEWISE or NONE) otherwise.
+    """
+    if forward_context is None:
+        return False
     mode = getattr(forward_context, "cudagraph_runtime_mode", None)
-    return getattr(mode, "name", None) == "FULL"
+    return getattr(mode, "name", None) != "FULL"
 
 
 def current_forward_context() -> Any | None:
-    """The forward context if vLLM has set one for this step (both 0.26 and 0.32 model runners
-    set it before binding the connector metadata; the 0.32 "v2" runner only before start_load_kv)."""
+    """The forward context vLLM has set for this step, or None outside of one."""
     from vllm import forward_context as _fc
 
     available = getattr(_fc, "is_forward_context_available", None)

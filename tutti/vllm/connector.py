@@ -67,7 +67,6 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         check_geometry(self._cfg, self._geom)  # chunk vs block size, capacity, staging: before any IO
         self._planner = None
         self._worker = None
-        self._pending: StepPlan | None = None
         self._layer_index: dict[str, int] = {}
         self._requests: dict[str, Any] = {}  # scheduler side, with store_decode: live Request objects
         self._events: KVEventTracker | None = None
@@ -145,24 +144,13 @@ class TuttiConnectorV1(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         # Start here, not in start_load_kv: vLLM 0.32 calls that one after the forward pass when
-        # the step has no synchronous loads. The forward context (set before this call by the
-        # model runner) says whether the step replays a FULL CUDA graph, which runs no hooks.
-        self._pending = None
+        # the step has no synchronous loads, and loads must be under way before layer 0.
         if self._worker is not None and isinstance(connector_metadata, TuttiConnectorMetadata):
-            fc = compat.current_forward_context()
-            if fc is None:  # the 0.32 "v2" runner sets it only around start_load_kv
-                self._pending = connector_metadata.plan
-            else:
-                self._start(connector_metadata.plan, fc)
-
-    def _start(self, plan: StepPlan, forward_context: Any) -> None:
-        assert self._worker is not None
-        self._worker.start_step(plan, layerwise=not compat.full_graph_step(forward_context))
+            layerwise = compat.step_runs_layer_hooks(compat.current_forward_context())
+            self._worker.start_step(connector_metadata.plan, layerwise=layerwise)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._pending is not None:  # bound without a forward context: start now
-            plan, self._pending = self._pending, None
-            self._start(plan, forward_context)
+        return None  # the step was started in bind_connector_metadata
 
     def _layer(self, layer_name: str) -> int:
         idx = self._layer_index.get(layer_name)
@@ -180,9 +168,6 @@ class TuttiConnectorV1(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self._worker is not None:
-            if self._pending is not None:  # never started (no start_load_kv): stores still count
-                plan, self._pending = self._pending, None
-                self._worker.start_step(plan, layerwise=True)
             self._worker.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
