@@ -1,3 +1,5 @@
+import pytest
+
 from tutti.engine.keys import namespace_seed
 from tutti.engine.plan import WorkerReport
 from tutti.engine.planner import Planner, rebuild_entries
@@ -101,3 +103,28 @@ def test_rebuild_needs_every_rank():
     a, b = b"a" * 32, b"b" * 32
     assert rebuild_entries([{0: a, 1: b}, {0: a, 1: a}]) == {0: a}
     assert rebuild_entries([]) == {}
+
+
+def test_identity_changes_keys_and_unkeyable_requests_are_neither_served_nor_stored():
+    from tutti.engine.keys import UnkeyableError, canonical, chunk_keys
+
+    toks = list(range(100, 100 + 3 * 16 + 1))
+    plain = chunk_keys(toks, 16, b"s" * 32)
+    salted = chunk_keys(toks, 16, b"s" * 32, identity=lambda lo, hi: canonical(["salt" if lo == 0 else None]))
+    assert plain != salted and all(a != b for a, b in zip(plain, salted))  # the chain carries it on
+    assert canonical([("lora", "a", "/p")]) != canonical([("lora", "a/", "p")])  # unambiguous
+    with pytest.raises(UnkeyableError):
+        canonical([object()])
+
+    def bad(lo, hi):
+        raise UnkeyableError("an identity tutti cannot encode")
+
+    p = Planner(num_slots=8, chunk_tokens=16, block_size=16, seed=b"s" * 32)
+    p.update_request("a", tokens=toks, all_block_ids=list(range(4)))
+    plan = p.build_step({"a": len(toks)}, {"a": 0})
+    assert len(plan.stores) == 3
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    assert p.match("b", toks, 0) == 48  # same tokens, no identity: a hit
+    assert p.match("c", toks, 0, identity=bad) == 0 and p.stats.unkeyed_requests == 1
+    p.update_request("c", all_block_ids=list(range(4, 8)))
+    assert not p.build_step({"c": len(toks)}, {"c": 0}).stores  # and never stored

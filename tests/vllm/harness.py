@@ -9,6 +9,7 @@ because vLLM seeds the dummy loader from ``seed``.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -71,6 +72,44 @@ def generate_ids(llm, prompts: Sequence[Sequence[int]], max_tokens: int = 8):
     """Run prompts given as token ids; return the RequestOutputs in order."""
     return llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
                         greedy(max_tokens), use_tqdm=False)
+
+
+def generate_requests(llm, reqs: Sequence[dict], max_tokens: int = 8):
+    """Run requests given as dicts: {"tokens": [...], "salt": str|None, "lora": (name, id, path)|None}."""
+    from vllm.lora.request import LoRARequest
+
+    prompts, loras = [], []
+    for r in reqs:
+        p: dict[str, Any] = {"prompt_token_ids": list(r["tokens"])}
+        if r.get("salt"):
+            p["cache_salt"] = r["salt"]
+        prompts.append(p)
+        loras.append(LoRARequest(*r["lora"]) if r.get("lora") else None)
+    return llm.generate(prompts, greedy(max_tokens), lora_request=loras, use_tqdm=False)
+
+
+def make_lora_adapter(dir: str | os.PathLike, *, seed: int, rank: int = 8, num_layers: int = 2, hidden: int = 128,
+                      q_out: int = 256, v_out: int = 128) -> str:
+    """A random rank-`rank` LoRA adapter (q_proj and v_proj of every layer) for the tiny Llama,
+    large enough to change its greedy tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = Path(dir)
+    d.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(num_layers):
+        for proj, out in (("q_proj", q_out), ("v_proj", v_out)):
+            base = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{base}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.5
+            tensors[f"{base}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.5
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM", "base_model_name_or_path": "tiny",
+        "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False, "use_dora": False}))
+    return str(d)
 
 
 def run_in_subprocess(code: str, *, env: dict[str, str] | None = None,

@@ -8,12 +8,15 @@ drops. It knows nothing of vLLM: the connector feeds it plain ids, tokens and bl
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from tutti.engine.index import ChunkIndex
-from tutti.engine.keys import chunk_keys
+from tutti.engine.keys import Identity, UnkeyableError, chunk_keys
 from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk, WorkerReport
+
+log = logging.getLogger("tutti.engine")
 
 
 @dataclass
@@ -31,6 +34,7 @@ class PlannerStats:
     load_seconds: float = 0.0
     store_seconds: float = 0.0
     stores_skipped: int = 0
+    unkeyed_requests: int = 0  # requests whose identity could not be keyed: neither stored nor served
 
     def since(self, earlier: "PlannerStats") -> dict[str, float]:
         """Counters accumulated since `earlier` (a copy taken before), without resetting: the
@@ -53,6 +57,8 @@ class _Request:
     next_store_chunk: int = 0  # chunks below this were stored, skipped or loaded
     had_stores: bool = False
     finished: bool = False
+    identity: Identity | None = None  # what besides token ids the KV depends on (extra keys)
+    unkeyed: bool = False  # identity unknown: never stored, never served
 
 
 @dataclass
@@ -96,17 +102,25 @@ class Planner:
         self._bad: set[bytes] = set()  # keys that failed to load, dropped once unpinned
 
     # -- lookups --------------------------------------------------------------------------
-    def _request(self, req_id: str, tokens: Sequence[int]) -> _Request:
+    def _request(self, req_id: str, tokens: Sequence[int], identity: Identity | None = None) -> _Request:
         r = self._reqs.get(req_id)
         if r is None:
-            r = _Request(req_id, list(tokens), chunk_keys(tokens, self.chunk_tokens, self.seed))
+            r = _Request(req_id, list(tokens), [], identity=identity)
+            try:
+                r.keys = chunk_keys(tokens, self.chunk_tokens, self.seed, identity=identity)
+            except UnkeyableError as exc:
+                log.warning("tutti: request %s is neither stored nor served: %s", req_id, exc)
+                r.unkeyed = True
+                self.stats.unkeyed_requests += 1
             self._reqs[req_id] = r
         return r
 
-    def match(self, req_id: str, tokens: Sequence[int], num_computed_tokens: int) -> int:
+    def match(self, req_id: str, tokens: Sequence[int], num_computed_tokens: int,
+              identity: Identity | None = None) -> int:
         """Tokens beyond `num_computed_tokens` that can be loaded: whole chunks, and always
-        at least one prompt token left for vLLM to compute."""
-        r = self._request(req_id, tokens)
+        at least one prompt token left for vLLM to compute. `identity(start, end)` gives the
+        bytes of what else tokens [start, end) depend on (see tutti.engine.keys)."""
+        r = self._request(req_id, tokens, identity)
         usable = (len(tokens) - 1) // self.chunk_tokens
         hits = self.index.lookup_prefix(r.keys[:usable])
         r.local_computed = num_computed_tokens
@@ -157,12 +171,17 @@ class Planner:
     def append_tokens(self, req_id: str, tokens: Sequence[int]) -> None:
         """Generated tokens (stored only with store_decode)."""
         r = self._reqs.get(req_id)
-        if r is None or not self.store_decode:
+        if r is None or not self.store_decode or r.unkeyed:
             return
         r.tokens.extend(tokens)
         n_have = len(r.keys)
         parent = r.keys[-1] if r.keys else None
-        r.keys.extend(chunk_keys(r.tokens, self.chunk_tokens, self.seed, start=n_have, parent=parent))
+        try:
+            r.keys.extend(chunk_keys(r.tokens, self.chunk_tokens, self.seed, start=n_have, parent=parent,
+                                     identity=r.identity))
+        except UnkeyableError as exc:
+            log.warning("tutti: generated chunks of request %s are not stored: %s", req_id, exc)
+            r.unkeyed = True
 
     def sync_tokens(self, req_id: str, all_tokens: Sequence[int]) -> None:
         """With store_decode: catch up with the request's prompt + generated tokens."""

@@ -94,7 +94,11 @@ class Geometry:
         # kernels accumulate per block, so KV computed at block size 32 differs (in the last
         # bits) from KV computed at 64, and a checkpoint replaced under the same path changes it
         # entirely. Either would make a hit differ from recompute.
-        out = [("block_size", str(self.block_size))]
+        from tutti.engine.keys import KEY_VERSION
+
+        # key version: a store whose keys were derived otherwise (v1: token ids only) is a
+        # different namespace, left on disk for `tutti inspect`, never served under new rules
+        out = [("block_size", str(self.block_size)), ("key_version", str(KEY_VERSION))]
         if self.model_id:
             out.append(("model_id", self.model_id))
         return tuple(out)

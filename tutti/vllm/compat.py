@@ -260,6 +260,68 @@ def _kernel_block_size(t: torch.Tensor, manager_bs: int) -> int:
 
 
 # ------------------------------------------------------------------ requests and blocks
+# ------------------------------------------------------------------ chunk identity
+def _extra_keys_fn():
+    """vLLM's own per-block extra keys (LoRA, multimodal identifiers and offsets, cache salt,
+    prompt-embedding hashes): the same function vLLM's block hash uses, on 0.26 and 0.32+, so a
+    field vLLM adds there becomes part of tutti's keys too."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    return generate_block_hash_extra_keys
+
+
+@functools.lru_cache(maxsize=256)
+def _adapter_identity(path: str, signature: tuple) -> bytes:
+    """Content identity of a LoRA adapter directory (its files' sizes and sampled pages): an
+    adapter replaced under the same name and path gets new keys."""
+    import hashlib
+    import os
+
+    h = hashlib.sha256()
+    for name, _ in signature:
+        h.update(name.encode() + b"\0" + _file_identity(os.path.join(path, name)))
+    return h.digest()
+
+
+def lora_identity(lora_request: Any) -> bytes:
+    if lora_request is None:
+        return b""
+    import os
+
+    path = str(getattr(lora_request, "lora_path", "") or getattr(lora_request, "path", "") or "")
+    if not os.path.isdir(path):
+        return b""  # a hub id or a remote path: vLLM's extra keys (name, path) are the identity
+    try:
+        sig = tuple(sorted((n, os.stat(os.path.join(path, n)).st_mtime_ns) for n in os.listdir(path)
+                           if os.path.isfile(os.path.join(path, n))))
+        return _adapter_identity(path, sig)
+    except OSError:
+        return b""
+
+
+def request_identity(request: Any, hash_block_size: int):
+    """identity(start, end) -> bytes for tutti's chunk keys: vLLM's extra keys of every vLLM
+    block in [start, end), plus the LoRA adapter's content identity. None for a request with
+    none of them (token ids alone say what its KV is)."""
+    from tutti.engine.keys import canonical
+
+    lora = getattr(request, "lora_request", None)
+    mm = getattr(request, "mm_features", None) or getattr(request, "mm_hashes", None)
+    if not (lora or mm or getattr(request, "cache_salt", None) or getattr(request, "prompt_embeds", None) is not None):
+        return None
+    extra_keys = _extra_keys_fn()
+    adapter = lora_identity(lora)
+
+    def identity(start: int, end: int) -> bytes:
+        parts: list[Any] = [adapter]
+        for b in range(start, end, hash_block_size):
+            keys, _ = extra_keys(request, b, b + hash_block_size, 0)
+            parts.append(keys)
+        return canonical(parts)
+
+    return identity
+
+
 def prompt_tokens(request: Any) -> list[int]:
     toks = getattr(request, "prompt_token_ids", None)
     return list(toks) if toks is not None else []

@@ -67,6 +67,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         check_geometry(self._cfg, self._geom)  # chunk vs block size, capacity, staging: before any IO
         self._planner = None
         self._worker = None
+        self._hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0) or self._geom.block_size)
         self._layer_index: dict[str, int] = {}
         self._requests: dict[str, Any] = {}  # scheduler side, with store_decode: live Request objects
         self._events: KVEventTracker | None = None
@@ -74,7 +75,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._planner = build_planner(self._extra, self._geom)
             self._sched_stats = SchedulerStatsTracker(self._planner.index.num_slots * self._planner.slot_bytes)
-            hash_bs = int(getattr(kv_cache_config, "hash_block_size", 0) or self._geom.block_size)
+            hash_bs = self._hash_block_size
             self._events = KVEventTracker(chunk_tokens=self._cfg.chunk_tokens, hash_block_size=hash_bs,
                                           seed=self._geom.seed())
             if self._cfg.kv_events_endpoint:
@@ -201,7 +202,9 @@ class TuttiConnectorV1(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._planner is not None
         tokens = compat.prompt_tokens(request)
-        n = self._planner.match(request.request_id, tokens, num_computed_tokens)
+        # everything vLLM's block hash covers besides the token ids (LoRA, images, salt, embeds)
+        identity = compat.request_identity(request, self._hash_block_size)
+        n = self._planner.match(request.request_id, tokens, num_computed_tokens, identity)
         if self._cfg.store_decode:
             self._requests[request.request_id] = request  # its generated tokens, read each step
         if self._events is not None:
