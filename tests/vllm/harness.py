@@ -89,9 +89,10 @@ def generate_requests(llm, reqs: Sequence[dict], max_tokens: int = 8):
 
 
 def make_lora_adapter(dir: str | os.PathLike, *, seed: int, rank: int = 8, num_layers: int = 2, hidden: int = 128,
-                      q_out: int = 256, v_out: int = 128) -> str:
-    """A random rank-`rank` LoRA adapter (q_proj and v_proj of every layer) for the tiny Llama,
-    large enough to change its greedy tokens."""
+                      heads_dim: int = 256, kv_dim: int = 128, scale: float = 20.0) -> str:
+    """A random rank-`rank` LoRA adapter (v_proj and o_proj of every layer) for the tiny Llama.
+    Its weights are large next to the dummy weights (uniform in +-1e-3), so the adapter's
+    output reaches the residual stream and changes the greedy tokens."""
     import torch
     from safetensors.torch import save_file
 
@@ -100,14 +101,14 @@ def make_lora_adapter(dir: str | os.PathLike, *, seed: int, rank: int = 8, num_l
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(num_layers):
-        for proj, out in (("q_proj", q_out), ("v_proj", v_out)):
+        for proj, n_in, n_out in (("v_proj", hidden, kv_dim), ("o_proj", heads_dim, hidden)):
             base = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
-            tensors[f"{base}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.5
-            tensors[f"{base}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.5
+            tensors[f"{base}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * scale
+            tensors[f"{base}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * scale
     save_file(tensors, str(d / "adapter_model.safetensors"))
     (d / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
-        "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM", "base_model_name_or_path": "tiny",
+        "peft_type": "LORA", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": ["v_proj", "o_proj"], "task_type": "CAUSAL_LM", "base_model_name_or_path": "tiny",
         "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False, "use_dora": False}))
     return str(d)
 
