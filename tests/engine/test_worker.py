@@ -203,7 +203,6 @@ def test_corrupt_slab_is_caught_by_checksum(tmp_path):
         off = geometry().slot_bytes + geometry().segment_bytes + 100
         f.seek(off); b = f.read(1); f.seek(off); f.write(bytes([b[0] ^ 0x40]))
     dst = make_caches(1)
-    before = [c.clone() for c in dst]
     w = worker(tmp_path, dst)
     loads = [LoadChunk("q", bytes([0]) * 32, 0, (8, 9)), LoadChunk("q", bytes([1]) * 32, 1, (10, 11))]
     run_step(w, StepPlan(2, loads=loads))

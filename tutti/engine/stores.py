@@ -123,7 +123,7 @@ class StorePipeline:
 
     # ---------------------------------------------------------------- writer thread
     def _write(self, run: _Run) -> None:
-        ctx, store = self.ctx, self.ctx.store
+        store = self.ctx.store
         try:
             if run.ready is not None:
                 with nvtx_range("d2h_wait"):
