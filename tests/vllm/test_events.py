@@ -201,3 +201,34 @@ def test_tracker_falls_back_to_stand_in_hashes_for_unknown_chunks():
         t.translate([("moved", [key])])
     with pytest.raises(ValueError, match="hash block size"):
         KVEventTracker(chunk_tokens=48, hash_block_size=32, seed=b"")
+
+
+def test_events_name_the_blocks_of_the_identity_that_stored_the_chunk():
+    """A salted (or LoRA, or multimodal) request's chunk is announced with that request's vLLM
+    block hashes, which carry the salt: a router never credits it to another tenant's prompt."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_events import BlockStored
+
+    from tutti.engine.planner import Planner
+    from tutti.vllm.compat import request_identity
+    from tutti.vllm.events import KVEventTracker
+
+    toks = _prompt(3, 129)
+    req = SimpleNamespace(request_id="r", prompt_token_ids=toks, all_token_ids=toks, cache_salt="tenant-a",
+                          lora_request=None, mm_features=None, prompt_embeds=None,
+                          block_hashes=[bytes([i]) * 32 for i in range(4)])
+    p = Planner(num_slots=8, chunk_tokens=64, block_size=32, seed=b"s" * 32)
+    assert p.match("r", toks, 0, request_identity(req, 32)) == 0
+    p.update_request("r", all_block_ids=list(range(5)))
+    stores = p.build_step({"r": len(toks)}, {"r": 0}).stores
+    assert len(stores) == 2
+    t = KVEventTracker(chunk_tokens=64, hash_block_size=32, seed=b"s" * 32)
+    t.add_request(req)
+    t.planned(stores)
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    ev = t.translate([("stored", [st.key for st in stores])])
+    assert all(isinstance(e, BlockStored) for e in ev)
+    announced = [h for e in ev for h in e.block_hashes]
+    assert announced == [maybe_convert_block_hash(h) for h in req.block_hashes]  # the salted request's own

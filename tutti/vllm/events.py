@@ -33,7 +33,8 @@ except ImportError:  # vLLM 0.26 names file-system tiers "FS"
     from vllm.distributed.kv_events import MEDIUM_FS as MEDIUM_STORAGE
 from vllm.logger import init_logger
 
-from tutti.engine.keys import chunk_keys
+from tutti.engine.keys import UnkeyableError, chunk_keys
+from tutti.vllm import compat
 
 logger = init_logger("vllm.tutti.events")
 
@@ -93,7 +94,13 @@ class KVEventTracker:
         idx = self._key_index.get(req_id)
         if idx is None or key not in idx:
             tokens = list(getattr(request, "all_token_ids", None) or request.prompt_token_ids or [])
-            idx = {k: i for i, k in enumerate(chunk_keys(tokens, self.chunk_tokens, self.seed))}
+            # the planner's keys: token ids and the request's identity (salt, LoRA, images...)
+            try:
+                keys = chunk_keys(tokens, self.chunk_tokens, self.seed,
+                                  identity=compat.request_identity(request, self.hash_block_size))
+            except UnkeyableError:
+                keys = []
+            idx = {k: i for i, k in enumerate(keys)}
             self._key_index[req_id] = idx
         return idx.get(key)
 
