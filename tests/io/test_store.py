@@ -157,10 +157,10 @@ def test_opener_hook_and_direct_io(tmp_path):
     fp = make_fp()
     opened = []
 
-    def direct(path: str, write: bool) -> int:
-        opened.append((path, write))
-        flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0)
-        return os.open(path, flags)
+    def direct(name: str, write: bool, dir_fd: int) -> int:
+        opened.append((name, write))  # a name relative to the namespace's descriptor, never a path
+        flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW | getattr(os, "O_DIRECT", 0)
+        return os.open(name, flags, dir_fd=dir_fd)
 
     try:
         st = ChunkStore(str(tmp_path), fp, capacity_bytes=4 * 3 * SEG, writer=True, open_file=direct)
@@ -173,7 +173,7 @@ def test_opener_hook_and_direct_io(tmp_path):
             pytest.skip(f"{tmp_path} does not support O_DIRECT")
         raise
     st.sync_data()
-    assert opened == [(os.path.join(namespace_dir(str(tmp_path), fp), "slab-0.bin"), True)]
+    assert opened == [("slab-0.bin", True)]
     st.close()
     rd = ChunkStore(str(tmp_path), fp, capacity_bytes=4 * 3 * SEG, writer=False, open_file=direct)
     back = mmap.mmap(-1, SEG)

@@ -188,7 +188,11 @@ class LoadPipeline:
             for i, ld in enumerate(item.chunks):
                 if ld.key in self._failed_keys:
                     continue
-                fd, off = ctx.store.location(ld.slot, item.layer)
+                try:
+                    fd, off = ctx.store.location(ld.slot, item.layer)
+                except (OSError, ValueError, RuntimeError) as exc:  # a slab missing, refused, no fd left...
+                    self._fail(ld, f"cannot open its slab: {exc}")  # that chunk's blocks, never the step
+                    continue
                 reqs.append(IORequest(fd, off, self.ring.buffer, slot.offset + i * ctx.seg, ctx.seg, READ, tag=i))
             with nvtx_range("read", item.layer):
                 item.futures = submit_all(ctx.queue, reqs)

@@ -78,8 +78,10 @@ def _pin(owner: np.ndarray, addr: int, nbytes: int) -> bool:
     return True
 
 
-def open_direct(path, write: bool = False, create: bool = False) -> tuple[int, bool]:
-    """Open `path` with O_DIRECT when the file system allows it; returns ``(fd, direct)``.
+def open_direct(path, write: bool = False, create: bool = False, *, dir_fd: int | None = None,
+                mode: int = 0o600) -> tuple[int, bool]:
+    """Open `path` (relative to `dir_fd` when given; never through a symbolic link, never
+    blocking on a FIFO) with O_DIRECT when the file system allows it; returns ``(fd, direct)``.
 
     Direct IO keeps the page cache out of the way (no double buffering of KV segments and
     honest device throughput). Some file systems refuse it with EINVAL (tmpfs before 6.6,
@@ -89,14 +91,16 @@ def open_direct(path, write: bool = False, create: bool = False) -> tuple[int, b
     import errno
     import os
 
-    flags = (os.O_RDWR if write else os.O_RDONLY) | getattr(os, "O_CLOEXEC", 0)
+    from tutti.io.safefs import open_file
+
+    flags = os.O_RDWR if write else os.O_RDONLY
     if create:
         flags |= os.O_CREAT
     o_direct = getattr(os, "O_DIRECT", 0)
     if o_direct:
         try:
-            return os.open(path, flags | o_direct, 0o644), True
+            return open_file(os.fspath(path), flags | o_direct, dir_fd=dir_fd, mode=mode, check=False), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags, 0o644), False
+    return open_file(os.fspath(path), flags, dir_fd=dir_fd, mode=mode, check=False), False

@@ -187,12 +187,16 @@ class IOQueue(abc.ABC):
         the queue is full and the caller resubmits the rest later (see `submit_all`).
         """
 
-    def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False) -> int:
-        """Open a file the way this backend wants it (O_DIRECT where supported). Returns an fd."""
+    def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False, *,
+                  dir_fd: int | None = None) -> int:
+        """Open a file the way this backend wants it (O_DIRECT where supported), relative to
+        `dir_fd` when given, never through a symbolic link. Returns an fd."""
+        from tutti.io.safefs import open_file
+
         flags = os.O_RDWR if write else os.O_RDONLY
         if create:
             flags |= os.O_CREAT
-        return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+        return open_file(os.fspath(path), flags, dir_fd=dir_fd, check=False)
 
     def register_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Register staging buffers once (fixed buffers for io_uring). Optional."""

@@ -26,12 +26,14 @@ import fcntl
 import json
 import mmap
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from tutti.io.fingerprint import Fingerprint
 from tutti.io.journal import Entry, Journal, fsync_dir
+from tutti.io.safefs import DIR_MODE, FILE_MODE, UnsafeFileError, check_fd, open_dir, open_file
 
 __all__ = [
     "ChunkStore",
@@ -133,7 +135,7 @@ class ChunkStore:
         capacity_bytes: int,
         writer: bool,
         slots_per_slab: int | None = None,
-        open_file: Callable[[str, bool], int] | None = None,
+        open_file: Callable[[str, bool, int], int] | None = None,
         journal_compact_ratio: float = 4.0,
         journal_compact_min_bytes: int = 1 << 20,
     ) -> None:
@@ -167,6 +169,8 @@ class ChunkStore:
         self._open_file = open_file
         self.namespaces = tuple(os.path.join(r, NAMESPACE_PREFIX + self.digest) for r in roots)
         self._lock_fds: list[int] = []
+        self._root_fds: list[int | None] = [None] * len(roots)
+        self._ns_fds: list[int | None] = [None] * len(roots)  # every store file is opened relative to these
         self._slab_fds: dict[tuple[int, int], int] = {}
         self._zeros: mmap.mmap | None = None
         self._closed = False
@@ -210,7 +214,7 @@ class ChunkStore:
             if not self.writer:
                 return False  # nothing stored yet; a reader creates nothing
             try:
-                os.mkdir(root, 0o755)
+                os.mkdir(root, DIR_MODE)
                 fsync_dir(parent)
             except FileExistsError:
                 pass
@@ -224,25 +228,44 @@ class ChunkStore:
         if not os.access(root, need):
             mode = "read, write and search" if self.writer else "read and search"
             raise StoreRootError(f"store root {root!r}: this process (uid {os.getuid()}) lacks {mode} permission; fix its permissions or pass another directory")
-        if os.path.exists(ns) and not os.path.isdir(ns):
+        # The root may be shared (a sticky scratch directory): it is opened without following a
+        # link, and every namespace and file below it through descriptors, never by path again.
+        try:
+            self._root_fds[i] = open_dir(root, check=False, where=f"store root {root!r}")
+        except UnsafeFileError:
+            raise StoreRootError(f"store root {root!r} is a symbolic link; pass the directory it points to "
+                                 f"({os.path.realpath(root)!r})") from None
+        name = os.path.basename(ns)
+        try:
+            st = os.stat(name, dir_fd=self._root_fds[i], follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is None and not self.writer:
+            return False
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise UnsafeFileError(errno.ELOOP, f"namespace {ns!r}: refused, a symbolic link (to "
+                                  f"{os.readlink(name, dir_fd=self._root_fds[i])!r}); tutti never follows links "
+                                  "inside a store; remove it", ns)
+        if st is not None and not stat.S_ISDIR(st.st_mode):
             raise StoreRootError(f"namespace {ns!r}: exists but is not a directory; remove that file")
-        if not os.path.isdir(ns):
-            if not self.writer:
-                return False
-            try:
-                os.mkdir(ns, 0o755)
-                fsync_dir(root)
-            except FileExistsError:
-                pass
-            except OSError as exc:
-                raise StoreRootError(f"store root {root!r}: cannot create namespace {ns!r} ({exc.strerror}); check free space and permissions") from exc
+        try:
+            self._ns_fds[i] = open_dir(name, dir_fd=self._root_fds[i], create=st is None,
+                                       where=f"namespace {ns!r}")
+        except UnsafeFileError:
+            raise
+        except OSError as exc:
+            raise StoreRootError(f"store root {root!r}: cannot create or open namespace {ns!r} ({exc.strerror}); "
+                                 "check free space and permissions") from exc
+        if st is None:
+            os.fsync(self._root_fds[i])  # the new name must survive a crash
         elif not os.access(ns, need):
             raise StoreRootError(f"namespace {ns!r}: no access for uid {os.getuid()}; fix its permissions")
         return True
 
     def _lock(self, i: int) -> None:
         path = os.path.join(self.namespaces[i], LOCK)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # no O_TRUNC: keep the holder's pid
+        # no O_TRUNC: keep the holder's pid; never a link (it would truncate another user's file)
+        fd = open_file(LOCK, os.O_RDWR | os.O_CREAT, dir_fd=self._ns_fds[i], where=f"lock file {path!r}")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -276,7 +299,8 @@ class ChunkStore:
     def _check_manifests(self, present: list[bool], slots_per_slab: int | None) -> int:
         manifests: list[dict | None] = []
         for i, ns in enumerate(self.namespaces):
-            manifests.append(_read_manifest(ns) if present[i] and os.path.exists(os.path.join(ns, MANIFEST)) else None)
+            has = present[i] and _exists(MANIFEST, self._ns_fds[i])
+            manifests.append(_read_manifest(ns, self._ns_fds[i]) if has else None)
         stored_sps = {m.get("slots_per_slab") for m in manifests if m is not None}
         if len(stored_sps) > 1:
             raise ManifestMismatchError(f"namespaces {self.namespaces}: manifests disagree on slots_per_slab ({sorted(map(str, stored_sps))}); they were not written by one store")
@@ -293,7 +317,7 @@ class ChunkStore:
             expected = self._expected_manifest(i, sps)
             if m is None:
                 if self.writer:
-                    _write_manifest(self.namespaces[i], expected)
+                    _write_manifest(self.namespaces[i], expected, self._ns_fds[i])
                 continue
             self._compare_manifest(i, m, expected)
         return sps
@@ -369,20 +393,38 @@ class ChunkStore:
             fd = self._slab_fds.get((r, slab))
             return fd if fd is not None else self._open_slab(r, slab)
 
+    def _namespace_fd(self, r: int) -> int | None:
+        """Root r's namespace descriptor; a reader opened before the writer created the
+        namespace opens it once it exists (checked like any namespace)."""
+        if self._ns_fds[r] is None and self._root_fds[r] is not None:
+            name = os.path.basename(self.namespaces[r])
+            if _exists(name, self._root_fds[r]):
+                self._ns_fds[r] = open_dir(name, dir_fd=self._root_fds[r], where=f"namespace {self.namespaces[r]!r}")
+        return self._ns_fds[r]
+
     def _open_slab(self, r: int, slab: int) -> int:
-        path = os.path.join(self.namespaces[r], f"slab-{slab}.bin")
+        name = f"slab-{slab}.bin"
+        path = os.path.join(self.namespaces[r], name)
+        ns_fd = self._namespace_fd(r)
+        if ns_fd is None:
+            raise OSError(errno.ENOENT, f"slab file {path!r} is missing (namespace not created yet)", path)
         if self.writer:
             try:
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
-                fsync_dir(self.namespaces[r])  # the new name must survive a crash with the data under it
+                os.close(open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=ns_fd, where=f"slab {path!r}"))
+                os.fsync(ns_fd)  # the new name must survive a crash with the data under it
             except FileExistsError:
                 pass
-        elif not os.path.exists(path):
+        elif not _exists(name, ns_fd):
             raise OSError(errno.ENOENT, f"slab file {path!r} is missing (no chunk was ever stored there)", path)
         if self._open_file is not None:
-            fd = self._open_file(path, self.writer)
+            fd = self._open_file(name, self.writer, ns_fd)
         else:
-            fd = os.open(path, (os.O_RDWR if self.writer else os.O_RDONLY) | os.O_CLOEXEC)
+            fd = open_file(name, os.O_RDWR if self.writer else os.O_RDONLY, dir_fd=ns_fd, check=False)
+        try:
+            check_fd(fd, f"slab {path!r}")
+        except BaseException:
+            os.close(fd)
+            raise
         self._slab_fds[(r, slab)] = fd
         return fd
 
@@ -451,7 +493,21 @@ class ChunkStore:
         self._require_writer()
         assert self.journal is not None
         with self._mutex:
+            self._check_lock()
             self.journal.sync()
+
+    def _check_lock(self) -> None:
+        """A writer whose LOCK was unlinked or replaced no longer excludes a second writer: stop."""
+        for i, fd in enumerate(self._lock_fds):
+            held = os.fstat(fd)
+            try:
+                now = os.stat(LOCK, dir_fd=self._ns_fds[i], follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_ino, now.st_dev) != (held.st_ino, held.st_dev):
+                raise StoreLockedError(
+                    f"lock file {os.path.join(self.namespaces[i], LOCK)!r} was removed or replaced under this writer: "
+                    "another writer may have started; stopped recording (restart the server)")
 
     # ---- state --------------------------------------------------------------------------
     def entries(self) -> dict[int, Entry]:
@@ -539,6 +595,11 @@ class ChunkStore:
             for fd in self._lock_fds:
                 os.close(fd)  # releases the flock
             self._lock_fds.clear()
+            for fd in self._ns_fds + self._root_fds:
+                if fd is not None:
+                    os.close(fd)
+            self._ns_fds = [None] * len(self._ns_fds)
+            self._root_fds = [None] * len(self._root_fds)
             if self._zeros is not None:
                 self._zeros.close()
                 self._zeros = None
@@ -556,18 +617,46 @@ class ChunkStore:
                 if self.journal is not None:
                     self.journal.close()
                 self._closed = True
-                for fd in list(self._slab_fds.values()) + self._lock_fds:
-                    os.close(fd)
+                for fd in list(self._slab_fds.values()) + self._lock_fds + self._ns_fds + self._root_fds:
+                    if fd is not None:
+                        os.close(fd)
         except Exception:
             pass
 
 
 # ---- helpers ------------------------------------------------------------------------------
-def _read_manifest(ns: str) -> dict:
-    path = os.path.join(ns, MANIFEST)
+def _exists(name: str, dir_fd: int | None) -> bool:
     try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read().decode("utf-8"))
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+_MAX_MANIFEST = 1 << 20
+
+
+def _read_manifest(ns: str, dir_fd: int | None = None) -> dict:
+    """The manifest of namespace `ns` (read through `dir_fd` when given), never through a link,
+    never blocking on a FIFO, bounded in size."""
+    path = os.path.join(ns, MANIFEST)
+    own_fd = None
+    if dir_fd is None:
+        own_fd = dir_fd = open_dir(ns, check=False, where=f"namespace {ns!r}")
+    try:
+        fd = open_file(MANIFEST, os.O_RDONLY, dir_fd=dir_fd, where=f"manifest {path!r}", check=False)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MANIFEST:
+                raise ManifestMismatchError(f"manifest {path!r} is not a regular file under 1 MiB; move {ns!r} aside")
+            raw = os.pread(fd, _MAX_MANIFEST, 0)
+        finally:
+            os.close(fd)
+    finally:
+        if own_fd is not None:
+            os.close(own_fd)
+    try:
+        data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestMismatchError(f"manifest {path!r} is not valid JSON ({exc}); it was edited or damaged: move {ns!r} aside") from exc
     if not isinstance(data, dict) or data.get("format") != STORE_FORMAT:
@@ -575,12 +664,17 @@ def _read_manifest(ns: str) -> dict:
     return data
 
 
-def _write_manifest(ns: str, manifest: dict) -> None:
+def _write_manifest(ns: str, manifest: dict, dir_fd: int) -> None:
     # Atomic: a crash leaves either no manifest (created again on the next open) or a whole one.
-    path = os.path.join(ns, MANIFEST)
-    tmp = path + ".tmp"
+    # The temporary is created exclusively (a planted file or link there is removed, never followed).
+    tmp = MANIFEST + ".tmp"
     data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd, mode=FILE_MODE,
+                   where=f"manifest {os.path.join(ns, tmp)!r}")
     try:
         view = memoryview(data)
         while view:
@@ -588,8 +682,8 @@ def _write_manifest(ns: str, manifest: dict) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.rename(tmp, path)
-    fsync_dir(ns)
+    os.rename(tmp, MANIFEST, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.fsync(dir_fd)
 
 
 def _read_only_fs(path: str) -> bool:

@@ -91,9 +91,10 @@ class ThreadQueue(CountedCompletions, IOQueue):
             extra={"workers": len(self._workers), "buffered_fds": sorted(fd for fd, d in self._direct.items() if not d)},
         )
 
-    def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False) -> int:
+    def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False, *,
+                  dir_fd: int | None = None) -> int:
         """O_DIRECT where the file system allows it, else buffered (recorded; see open_direct)."""
-        fd, direct = open_direct(path, write=write, create=create)
+        fd, direct = open_direct(path, write=write, create=create, dir_fd=dir_fd)
         if not direct:
             log.info("tutti threads: %s refuses O_DIRECT; using buffered IO for this file", path)
         self._direct[fd] = direct

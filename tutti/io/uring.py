@@ -337,8 +337,9 @@ class UringQueue(CountedCompletions, IOQueue):
             },
         )
 
-    def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False) -> int:
-        fd, direct = open_direct(path, write=write, create=create)
+    def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False, *,
+                  dir_fd: int | None = None) -> int:
+        fd, direct = open_direct(path, write=write, create=create, dir_fd=dir_fd)
         if not direct:
             log.info("tutti uring: %s refuses O_DIRECT; using buffered IO for this file", path)
         self._direct[fd] = direct

@@ -117,9 +117,10 @@ class NvmeQueue(IOQueue):
                    "nsid": self.nsid, **self._extra},
         )
 
-    def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False) -> int:
+    def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False, *,
+                  dir_fd: int | None = None) -> int:
         # Data moves through raw LBAs; the fd is only a handle for FIEMAP and the access mode.
-        return super().open_file(path, write=write, create=create)
+        return super().open_file(path, write=write, create=create, dir_fd=dir_fd)
 
     def register_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         for b in buffers:
