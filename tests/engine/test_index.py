@@ -108,3 +108,17 @@ def test_rebuild_from_journal_entries():
 def test_zero_capacity_is_a_clear_error():
     with pytest.raises(ValueError, match="capacity"):
         ChunkIndex(0)
+
+
+def test_index_memory_follows_the_chunks_stored_not_the_capacity():
+    import tracemalloc
+
+    tracemalloc.start()
+    idx = ChunkIndex(2000 * (1 << 40) // (1 << 20))  # 2000 TiB of 1 MiB chunks
+    idx.rebuild({5: b"a" * 32, 9: b"b" * 32})
+    res = idx.plan_store([bytes([i]) * 32 for i in range(10)])
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 1 << 20
+    assert sorted(res.slots.values()) == [0, 1, 2, 3, 4, 6, 7, 8, 10, 11]  # the holes first, then new slots
+    idx.check_invariants()

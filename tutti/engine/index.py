@@ -29,7 +29,11 @@ class ChunkIndex:
         self._resident: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._pending: dict[bytes, int] = {}
         self._pins: Counter[bytes] = Counter()
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
+        # Free slots: those released below the high-water mark, plus every slot from `_next` on,
+        # never handed out: memory follows the chunks stored, not the capacity (a 2000 TiB store
+        # costs nothing until it fills).
+        self._free: list[int] = []
+        self._next = 0
         self.evictions = 0
 
     # -- queries -------------------------------------------------------------------------
@@ -91,6 +95,9 @@ class ChunkIndex:
         for key in keys:
             if key in self._resident or key in self._pending or key in slots:
                 continue
+            if not self._free and self._next < self.num_slots:
+                self._free.append(self._next)
+                self._next += 1
             if not self._free:
                 victim = next((k for k in self._resident if not self.is_pinned(k)), None)
                 if victim is None:
@@ -137,9 +144,10 @@ class ChunkIndex:
             if 0 <= slot < self.num_slots and key not in self._resident:
                 self._resident[key] = slot
                 taken.add(slot)
-        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
+        self._next = max(taken) + 1 if taken else 0
+        self._free = [s for s in range(self._next - 1, -1, -1) if s not in taken]  # holes: pop() gives the lowest
 
     def check_invariants(self) -> None:
         """Every slot is in exactly one of free, resident or pending (used by tests)."""
         seen = list(self._free) + list(self._resident.values()) + list(self._pending.values())
-        assert sorted(seen) == list(range(self.num_slots)), "slot accounting broken"
+        assert self._next <= self.num_slots and sorted(seen) == list(range(self._next)), "slot accounting broken"
