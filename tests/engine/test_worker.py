@@ -341,3 +341,60 @@ def test_a_step_of_loads_and_stores_never_makes_the_host_wait(tmp_path):
     for s, d in zip(src, dst):
         assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
     w.close()
+
+
+def _forge(tmp_path, slot, new_bytes_of_layer1):
+    """What anyone who can write the store could do without a secret: new bytes in a slab and a
+    journal record whose (unkeyed) checksums match them."""
+    from tutti.io.fingerprint import Fingerprint
+    from tutti.io.store import ChunkStore, list_namespaces
+    from tutti.kernels import segment_checksum
+
+    ns = list_namespaces(str(tmp_path))[0]
+    slab = next(p for p in tmp_path.rglob("slab-*.bin"))
+    seg = geometry().segment_bytes
+    with open(slab, "r+b") as f:
+        f.seek(slot * geometry().slot_bytes + seg)
+        f.write(new_bytes_of_layer1)
+        f.seek(slot * geometry().slot_bytes)
+        data = f.read(geometry().slot_bytes)
+    st = ChunkStore(str(tmp_path), Fingerprint.from_dict(ns.manifest["fingerprint"]),
+                    capacity_bytes=64 * geometry().slot_bytes, writer=True)
+    key = st.entries()[slot].key
+    sums = segment_checksum(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(L, seg)).tolist()
+    st.record_put(key, slot, [int(v) & ((1 << 64) - 1) for v in sums])
+    st.sync_journal()
+    st.close()
+
+
+@pytest.mark.parametrize("secret", [False, True])
+def test_forged_kv_is_refused_only_with_a_secret(tmp_path, monkeypatch, secret):
+    """Without a secret the store trusts whoever can write it (private modes make that only its
+    user): forged bytes with matching checksums are served. With one, their keyed tags fail and
+    nothing of them is scattered."""
+    kw = {}
+    if secret:
+        monkeypatch.setenv("TUTTI_TEST_SECRET", "0123456789abcdef-secret")
+        kw = {"secret_env": "TUTTI_TEST_SECRET"}
+    src = make_caches(0)
+    w = worker(tmp_path, src, **kw)
+    run_step(w, StepPlan(1, stores=[StoreChunk("r", bytes([1]) * 32, 0, (0, 1), ticket=1),
+                                    StoreChunk("r", bytes([2]) * 32, 1, (2, 3), ticket=2)]))
+    w.flush()
+    assert sorted(w.take_report().stored) == [1, 2]
+    w.close()
+    _forge(tmp_path, 1, bytes(range(256)) * (geometry().segment_bytes // 256))
+    dst = make_caches(1)
+    before = [c.clone() for c in dst]
+    w = worker(tmp_path, dst, **kw)
+    loads = [LoadChunk("q", bytes([1]) * 32, 0, (8, 9)), LoadChunk("q", bytes([2]) * 32, 1, (10, 11))]
+    run_step(w, StepPlan(2, loads=loads))
+    failed = w.take_failed_blocks()
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9]], s[[0, 1]])  # the untouched chunk loads either way
+    if secret:
+        assert failed == {10, 11}
+        assert torch.equal(dst[1][[10, 11]], before[1][[10, 11]])  # checked before scatter: nothing of it lands
+    else:
+        assert failed == set() and not torch.equal(dst[1][[10, 11]], src[1][[2, 3]])  # served: the documented trust
+    w.close()

@@ -63,6 +63,10 @@ class EngineConfig:
     # in vLLM's wire format; "" = off (events still go through vLLM's --kv-events-config).
     kv_events_endpoint: str = ""
     kv_events_topic: str = ""  # ZMQ topic; llm-d expects "kv@<pod>@<model>"; {host}, {model} expand
+    # Keyed integrity (tutti.io.integrity): the secret from a file or an environment variable;
+    # only where it comes from is kept here, never the secret itself.
+    secret_file: str = ""
+    secret_env: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -128,6 +132,13 @@ class EngineConfig:
                 raise ValueError(f"kv_connector_extra_config.kv_events_topic={v!r}: expected a string such as "
                                  "\"kv@{host}@{model}\"")
             kw["kv_events_topic"] = v
+        for name in ("secret_file", "secret_env"):
+            if name in raw:
+                v = raw.pop(name)
+                if not isinstance(v, str) or not v:
+                    raise ValueError(f"kv_connector_extra_config.{name}={v!r}: expected a non-empty string (a path "
+                                     "to a file holding the secret, or an environment variable's name)")
+                kw[name] = v
         cfg = cls(**kw)
         cfg.validate()
         return cfg

@@ -80,6 +80,7 @@ class WorkerContext:
     chunk_tokens: int
     kbpb: int  # kernel blocks per manager block
     writes: bool  # False on a rank that only reads another rank's namespace (MLA under TP)
+    mac: Any = None  # tutti.io.integrity.SegmentMac with a secret: keyed tags replace checksums
     num_layers: int = field(init=False)
     device: torch.device = field(init=False)
     cuda: bool = field(init=False)

@@ -88,7 +88,7 @@ class LoadPipeline:
             # blocks just handed to these requests may still be in use by work already queued
             # on the compute stream (a freed request's last step): scatter only after it
             self.stream.wait_stream(torch.cuda.current_stream(ctx.device))
-        if ctx.cfg.verify_checksums:
+        if ctx.cfg.verify_checksums and ctx.mac is None:  # keyed tags are checked on the host instead
             with self._on_stream():
                 self._bad = torch.zeros((len(self._loads), ctx.num_layers), dtype=torch.bool, device=ctx.device)
         for layer in range(ctx.num_layers):
@@ -222,6 +222,8 @@ class LoadPipeline:
                 self.forget(ld)
             else:
                 good.append((i, ld))
+        if ctx.mac is not None and good:
+            good = self._check_tags(item, good)
         n = len(item.chunks)
         ev = None
         if good:
@@ -249,6 +251,21 @@ class LoadPipeline:
                     self._layer_events[item.layer] = ev
             self.counters.add(bytes_loaded=len(good) * seg)
         self.ring.release(slot, ev)
+
+    def _check_tags(self, item: _Item, good: list[tuple[int, LoadChunk]]) -> list[tuple[int, LoadChunk]]:
+        """With a secret: each segment's keyed tag, on the host, before anything reaches the GPU."""
+        ctx, seg = self.ctx, self.ctx.seg
+        host = item.slot.host.numpy()
+        ok = []
+        with nvtx_range("verify", item.layer):
+            for i, ld in good:
+                want = self._sums[item.first + i][item.layer]
+                if ctx.mac.tag(ld.key, item.layer, host[i * seg:(i + 1) * seg]) != want:
+                    self._fail(ld, f"keyed tag mismatch in layer {item.layer}: not written by a holder of the secret")
+                    self.forget(ld)
+                else:
+                    ok.append((i, ld))
+        return ok
 
     def _scatter_partial(self, layer: int, seg: torch.Tensor, ld: LoadChunk) -> None:
         """Scatter only the blocks after `skip_blocks` (the rest is vLLM's own prefix cache)."""

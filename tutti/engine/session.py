@@ -40,6 +40,7 @@ class Geometry:
     # in TP rank 0's namespace) and every TP rank reads it from there.
     kv_replicated: bool = False
     model_id: str = ""  # identity of the weights and model config behind `model` (see compat.model_identity)
+    integrity: str = ""  # "" (checksums) or the keyed tag's name: a store with a secret is its own namespace
 
     @property
     def store_tp_rank(self) -> int:
@@ -101,6 +102,8 @@ class Geometry:
         out = [("block_size", str(self.block_size)), ("key_version", str(KEY_VERSION))]
         if self.model_id:
             out.append(("model_id", self.model_id))
+        if self.integrity:
+            out.append(("integrity", self.integrity))
         return tuple(out)
 
     def seed(self) -> bytes:
@@ -132,6 +135,22 @@ def fs_type(path: str) -> str:
     except OSError:
         pass
     return kind
+
+
+def segment_mac(cfg: EngineConfig):
+    """The keyed tagger of a config with a secret, else None (the secret is read, never kept in cfg)."""
+    from tutti.io.integrity import SegmentMac, load_secret
+
+    secret = load_secret(file=cfg.secret_file or None, env=cfg.secret_env or None)
+    return None if secret is None else SegmentMac(secret)
+
+
+def with_integrity(cfg: EngineConfig, geom: Geometry) -> Geometry:
+    """`geom` marked with the config's integrity scheme (validating the secret before any IO)."""
+    import dataclasses
+
+    mac = segment_mac(cfg)
+    return geom if mac is None else dataclasses.replace(geom, integrity=mac.name)
 
 
 def check_capacity(cfg: EngineConfig, geom: Geometry) -> int:
@@ -181,8 +200,10 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
 
     cfg = EngineConfig.from_dict(raw_config, rank=0)
     num_slots = check_geometry(cfg, geom)
+    mac = segment_mac(cfg)
+    geom = with_integrity(cfg, geom)
     planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
-                      seed=geom.seed(), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
+                      seed=geom.seed() if mac is None else mac.seed(geom.seed()), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
                       store_decode=cfg.store_decode, num_writers=geom.num_writers)
     per_rank = []
     for tp, pp, rank in geom.store_ranks:
@@ -211,6 +232,7 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
 
     cfg = EngineConfig.from_dict(raw_config, rank=rank)
     check_geometry(cfg, geom)
+    geom = with_integrity(cfg, geom)
     if layout.num_heads != geom.num_heads or layout.content_bytes != geom.content_bytes:
         raise ValueError(
             f"KV cache layout: found H={layout.num_heads}, C={layout.content_bytes} B per (head, token) in the "
@@ -239,7 +261,7 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
         return WorkerPipeline(cfg, caches=caches, layout=layout, store=store, io_queue=q, kernel=kernel,
                               checksum=segment_checksum, segment_bytes=geom.segment_bytes,
                               chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block,
-                              writes=geom.writes)
+                              writes=geom.writes, mac=segment_mac(cfg) if geom.integrity else None)
     except Exception:
         store.close()
         q.close()

@@ -128,7 +128,7 @@ class StorePipeline:
             if run.ready is not None:
                 with nvtx_range("d2h_wait"):
                     run.ready.synchronize()  # releases the GIL while the copy finishes
-            sums = run.sums.tolist()
+            sums = self._tags(run) if self.ctx.mac is not None else run.sums.tolist()
             if run.free_slots:
                 store.record_free(run.free_slots)
                 store.sync_journal()
@@ -138,6 +138,13 @@ class StorePipeline:
             self._fail(run.chunks, f"writer error: {exc}", skipped=False)
         finally:
             self.arena.release(run.first, len(run.chunks))
+
+    def _tags(self, run: _Run) -> list[int]:
+        """Keyed tags of every segment of the run, from the host bytes about to be written."""
+        ctx, L = self.ctx, self.ctx.num_layers
+        host = self.arena.host_view(run.first, len(run.chunks)).numpy()
+        return [ctx.mac.tag(st.key, layer, host[(i * L + layer) * ctx.seg:(i * L + layer + 1) * ctx.seg])
+                for i, st in enumerate(run.chunks) for layer in range(L)]
 
     def _write_chunks(self, run: _Run, sums: list[int]) -> None:
         ctx, store, L = self.ctx, self.ctx.store, self.ctx.num_layers

@@ -36,10 +36,10 @@ class WorkerPipeline:
     def __init__(self, cfg: EngineConfig, *, caches: Sequence[torch.Tensor], layout, store, io_queue: IOQueue,
                  kernel, checksum: Callable[[torch.Tensor], torch.Tensor], segment_bytes: int,
                  chunk_tokens: int, kernel_blocks_per_block: int = 1, staging: torch.Tensor | None = None,
-                 writes: bool = True) -> None:
+                 writes: bool = True, mac=None) -> None:
         self.cfg = cfg
         self.ctx = WorkerContext(cfg, list(caches), layout, store, io_queue, kernel, checksum, segment_bytes,
-                                 chunk_tokens, kernel_blocks_per_block, writes)
+                                 chunk_tokens, kernel_blocks_per_block, writes, mac)
         slot_bytes = cfg.staging_slot_bytes
         if segment_bytes > slot_bytes:
             raise ValueError(

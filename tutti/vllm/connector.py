@@ -25,7 +25,7 @@ from vllm.logger import init_logger
 
 from tutti.engine.config import EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
-from tutti.engine.session import build_planner, build_worker, check_geometry
+from tutti.engine.session import build_planner, build_worker, check_geometry, with_integrity
 from tutti.vllm import compat
 from tutti.vllm.events import EventPublisher, KVEventTracker, expand_topic
 from tutti.vllm.stats import SchedulerStatsTracker, TuttiKVConnectorStats, TuttiPromMetrics, stats_from
@@ -63,7 +63,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         # Validate the config before anything touches the disk: errors name key, value, range.
         self._cfg = EngineConfig.from_dict(self._extra, rank=compat.worker_rank(vllm_config))
         compat.check_single_group(kv_cache_config)
-        self._geom = compat.geometry(vllm_config, self._cfg.chunk_tokens)
+        self._geom = with_integrity(self._cfg, compat.geometry(vllm_config, self._cfg.chunk_tokens))
         check_geometry(self._cfg, self._geom)  # chunk vs block size, capacity, staging: before any IO
         self._planner = None
         self._worker = None
@@ -77,7 +77,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._sched_stats = SchedulerStatsTracker(self._planner.index.num_slots * self._planner.slot_bytes)
             hash_bs = self._hash_block_size
             self._events = KVEventTracker(chunk_tokens=self._cfg.chunk_tokens, hash_block_size=hash_bs,
-                                          seed=self._geom.seed())
+                                          seed=self._planner.seed)
             if self._cfg.kv_events_endpoint:
                 pc = vllm_config.parallel_config
                 dp = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
