@@ -398,3 +398,51 @@ def test_forged_kv_is_refused_only_with_a_secret(tmp_path, monkeypatch, secret):
     else:
         assert failed == set() and not torch.equal(dst[1][[10, 11]], src[1][[2, 3]])  # served: the documented trust
     w.close()
+
+
+class StallingQueue(RecordingQueue):
+    """A real queue whose reads at chosen file offsets never complete until released (a stalled
+    network file system), to prove a load fails its chunk instead of hanging the step."""
+
+    def __init__(self, inner, stall_offsets):
+        super().__init__(inner)
+        self.stall_offsets, self.held = set(stall_offsets), []
+
+    def submit(self, requests):
+        from tutti.io.queue import IOFuture
+
+        out = []
+        for r in requests:
+            if r.op == "read" and r.offset in self.stall_offsets:
+                fut = IOFuture(r)
+                self.held.append(fut)
+                out.append(fut)
+            else:
+                out.extend(self.inner.submit([r]))
+        return out
+
+    def release(self):
+        for fut in self.held:
+            fut.set_result(fut.request.length)  # the stalled read lands, long after its deadline
+        self.held = []
+
+
+def test_a_stalled_read_fails_its_chunk_and_never_hangs_the_step(tmp_path):
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, io_timeout_s=0.2)
+    stall = 2 * geometry().slot_bytes  # slot 2, layer 0
+    w.queue = StallingQueue(w.queue, [stall])
+    loads = [LoadChunk("q", bytes([0]) * 32, 1, (8, 9)), LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]
+    run_step(w, StepPlan(2, loads=loads))
+    assert w.take_failed_blocks() == {10, 11}
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9]], s[[0, 1]])
+    w.queue.release()
+    w.queue.stall_offsets = set()
+    run_step(w, StepPlan(3, loads=loads))  # the slot came back; the chunk was not dropped (the disk was slow)
+    assert w.take_failed_blocks() == set()
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[10, 11]], s[[2, 3]])
+    w.close()

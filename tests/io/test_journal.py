@@ -138,14 +138,23 @@ def test_garbled_tail_is_ignored(tmp_path):
         w.close()
 
 
-def test_garbage_in_the_middle_keeps_only_the_prefix(tmp_path):
+def test_garbage_in_the_middle_costs_only_that_record(tmp_path):
+    # (was: "keeps only the prefix"; replay now resynchronises at the next valid record, and a
+    # writer keeps the records after the damaged one: tests/io/test_journal_hostile.py)
     path = str(tmp_path / "j")
     recs = [encode_put(key(i), i, [i]) for i in range(5)]
     bad = bytearray(recs[2])
     bad[-1] ^= 1
     with open(path, "wb") as f:
         f.write(b"".join(recs[:2]) + bytes(bad) + b"".join(recs[3:]))
-    assert sorted(Journal(path, writer=False).entries) == [0, 1]
+    reader = Journal(path, writer=False)
+    assert sorted(reader.entries) == [0, 1, 3, 4]
+    assert reader.skipped_records == 1 and reader.skipped_details[0][0] == len(recs[0]) * 2
+    assert reader.dropped_tail_bytes == 0
+    w = Journal(path, writer=True)
+    assert sorted(w.entries) == [0, 1, 3, 4]
+    assert os.path.getsize(path) == w.size_bytes == sum(map(len, recs))
+    w.close()
 
 
 def test_compaction_keeps_exactly_the_live_state(tmp_path):

@@ -62,6 +62,7 @@ class LoadPipeline:
         self._verified: object = None  # CUDA event: _bad_host holds the step's mismatches
         self._failed_keys: set[bytes] = set()
         self._failed_blocks: set[int] = set()
+        self._stragglers: list = []  # (slot, futures, event) of reads that missed their deadline
         self._t0 = 0.0
         self.trace: list[tuple[str, int, float]] | None = None
 
@@ -176,6 +177,8 @@ class LoadPipeline:
     def _pump(self, max_layer: int) -> None:
         """Submit reads for queued items up to `max_layer` while load slots are free."""
         ctx = self.ctx
+        if self._stragglers:
+            self._reap_stragglers()
         while self._next_submit < len(self._items):
             item = self._items[self._next_submit]
             if item.layer > max_layer:
@@ -203,12 +206,20 @@ class LoadPipeline:
     def _process(self, item: _Item) -> None:
         ctx, seg = self.ctx, self.ctx.seg
         slot = item.slot
-        assert slot is not None
+        if slot is None:  # every load slot is held by reads that missed their deadline
+            for ld in item.chunks:
+                self._fail(ld, "no staging slot free: earlier reads are stalled")
+            return
         errors = {}
+        stalled = False
+        deadline = time.monotonic() + ctx.cfg.io_timeout_s
         with nvtx_range("io_wait", item.layer):
             for fut in item.futures:
                 try:
-                    fut.result()
+                    fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except TimeoutError as exc:  # a stalled file system: fail the chunk, never hang the step
+                    errors[fut.request.tag] = exc
+                    stalled = True
                 except OSError as exc:
                     errors[fut.request.tag] = exc
         good: list[tuple[int, LoadChunk]] = []
@@ -216,10 +227,11 @@ class LoadPipeline:
             if ld.key in self._failed_keys:
                 continue
             if i in errors:
-                # A truncated or deleted slab reads short: the chunk is gone, so journal it free
-                # as for a checksum mismatch; otherwise every restart would plan and fail it again.
                 self._fail(ld, f"read of layer {item.layer} failed: {errors[i]}")
-                self.forget(ld)
+                if not isinstance(errors[i], TimeoutError):
+                    # A truncated or deleted slab reads short: the chunk is gone, so journal it free
+                    # as for a checksum mismatch; otherwise every restart would plan and fail it again.
+                    self.forget(ld)
             else:
                 good.append((i, ld))
         if ctx.mac is not None and good:
@@ -250,7 +262,19 @@ class LoadPipeline:
                     ev.record(self.stream)
                     self._layer_events[item.layer] = ev
             self.counters.add(bytes_loaded=len(good) * seg)
-        self.ring.release(slot, ev)
+        if stalled:  # a late read may still land in this slot: it comes back once every read is done
+            self._stragglers.append((slot, item.futures, ev))
+        else:
+            self.ring.release(slot, ev)
+
+    def _reap_stragglers(self) -> None:
+        still = []
+        for slot, futures, ev in self._stragglers:
+            if all(f.done() for f in futures):
+                self.ring.release(slot, ev)
+            else:
+                still.append((slot, futures, ev))
+        self._stragglers = still
 
     def _check_tags(self, item: _Item, good: list[tuple[int, LoadChunk]]) -> list[tuple[int, LoadChunk]]:
         """With a secret: each segment's keyed tag, on the host, before anything reaches the GPU."""

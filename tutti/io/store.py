@@ -184,11 +184,15 @@ class ChunkStore:
                     self._lock(i)
             self.slots_per_slab = self._check_manifests(present, slots_per_slab)
             journal_path = os.path.join(self.namespaces[0], JOURNAL)
+            # Records are checked against the geometry (a put with another number of checksums is
+            # skipped and counted); slots past the capacity are dropped by _drop_out_of_range.
             self.journal = Journal(
                 journal_path,
                 writer=self.writer,
                 compact_ratio=journal_compact_ratio,
                 compact_min_bytes=journal_compact_min_bytes,
+                dir_fd=self._ns_fds[0],
+                expected_checksums=self.num_layers,
             )
             self._drop_out_of_range()
         except BaseException:
