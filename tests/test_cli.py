@@ -170,8 +170,9 @@ def test_damaged_manifest_is_reported(store_root, capsys):
 def test_wrong_number_of_roots(store_root, tmp_path, capsys):
     other = tmp_path / "second"
     other.mkdir()
-    rc, out, _ = run_cli(capsys, "verify", "--no-progress", str(store_root), str(other))
-    assert rc == 1 and "striped over 1 roots" in out
+    # a usage error, not a failed check: exit status 2, the reason on stderr
+    rc, out, err = run_cli(capsys, "verify", "--no-progress", str(store_root), str(other))
+    assert rc == 2 and "striped over 1 roots" in err and "FAILED" not in out
 
 
 def test_entry_point_usage_errors():

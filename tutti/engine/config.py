@@ -3,9 +3,18 @@ validated once at start-up, every error naming the key, the value and the allowe
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
+
+log = logging.getLogger("tutti.engine")
+
+#: Every size is a signed 64-bit byte count (file offsets, the journal's fields): below 2**63.
+MAX_BYTES = (1 << 63) - 1
+_SIZE_HINT = "expected a byte count such as 1073741824 or '64GiB'"
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
@@ -13,16 +22,85 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20
 
 
 def parse_bytes(key: str, value: Any) -> int:
-    """An int, or a string like '64GiB', '512 MiB', '1e9'."""
+    """An int, or a string like '64GiB', '512 MiB', '1e9': a finite count below 2**63.
+
+    NaN, infinities ('inf', 'Infinity', '1e400', float('inf')) and counts of 2**63 or more are
+    refused with a ValueError naming `key` and the value (never an OverflowError)."""
     if isinstance(value, bool):
-        raise ValueError(f"{key}={value!r}: expected a byte count such as 1073741824 or '64GiB'")
-    if isinstance(value, (int, float)) and value == int(value):
-        return int(value)
+        raise ValueError(f"{key}={value!r}: {_SIZE_HINT}")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{key}={value!r}: not a finite number; {_SIZE_HINT}")
+        if value != int(value):
+            raise ValueError(f"{key}={value!r}: not a whole number of bytes; {_SIZE_HINT}")
+        return _bounded(key, value, int(value))
+    if isinstance(value, int):
+        return _bounded(key, value, value)
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ValueError(f"{key}={value!r}: expected a byte count such as 1073741824 or '64GiB'")
+            num, unit = m.group(1), _UNITS[m.group(2).lower()]
+            if num.isdigit():
+                if len(num) > 40:  # far past 2**63 (and int() of a huge digit string is slow)
+                    raise _too_large(key, value)
+                return _bounded(key, value, int(num) * unit)
+            f = float(num) * unit  # '1e400' is inf here: refused below, never passed to int()
+            if not math.isfinite(f):
+                raise _too_large(key, value)
+            return _bounded(key, value, int(f))
+        try:
+            special = not math.isfinite(float(value))  # 'inf', 'Infinity', 'NaN', '-inf'
+        except (ValueError, OverflowError):
+            special = False
+        if special:
+            raise ValueError(f"{key}={value!r}: not a finite number; {_SIZE_HINT}")
+    raise ValueError(f"{key}={value!r}: {_SIZE_HINT}")
+
+
+def _too_large(key: str, value: Any) -> ValueError:
+    return ValueError(f"{key}={value!r}: too large; a size must be a finite byte count below 2**63 "
+                      f"({MAX_BYTES} B, 8 EiB), e.g. '64GiB'")
+
+
+def _bounded(key: str, value: Any, n: int) -> int:
+    if n > MAX_BYTES:
+        raise _too_large(key, value)
+    return n
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host (page size x physical pages), or None where unknown."""
+    try:
+        n = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return n if n > 0 else None
+
+
+def _human(n: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+_logged_roots: set[tuple[str, str]] = set()
+
+
+def resolve_root(raw: str, rank: int) -> str:
+    """`{rank}` expanded, then '~' expanded; a relative path made absolute against the current
+    directory (logged once at INFO on 'tutti.engine': a server started elsewhere would use another)."""
+    root = os.path.expanduser(raw.replace("{rank}", str(rank)))
+    if os.path.isabs(root):
+        return root
+    cwd = os.getcwd()
+    resolved = os.path.abspath(root)
+    if (raw, resolved) not in _logged_roots:
+        _logged_roots.add((raw, resolved))
+        log.info("kv_connector_extra_config.root=%r is a relative path: resolved against the current directory "
+                 "%r to %r; pass an absolute path to make the store independent of where the server starts",
+                 raw, cwd, resolved)
+    return resolved
 
 
 def check_zmq_endpoint(value: Any) -> str:
@@ -51,6 +129,9 @@ class EngineConfig:
     io_backend: str = "auto"
     kernel_variant: str = "auto"
     lookahead: int = 2  # layers read ahead of the layer being computed
+    # A load read not done after this many seconds (a stalled network file system) fails its
+    # chunk, which vLLM recomputes, instead of hanging the step.
+    io_timeout_s: float = 10.0
     # Host staging ring (pinned where CUDA exists), cut into equal slots. A store holds one slot
     # per layer per group of chunks from its step until written; what does not fit is skipped.
     staging_bytes: int = 512 << 20
@@ -93,12 +174,13 @@ class EngineConfig:
             roots_v = [roots_v]
         if not isinstance(roots_v, (list, tuple)) or not roots_v or not all(isinstance(r, str) and r for r in roots_v):
             raise ValueError(f"kv_connector_extra_config.roots={roots_v!r}: expected a non-empty list of directory paths")
-        roots = tuple(r.replace("{rank}", str(rank)) for r in roots_v)
+        roots = tuple(resolve_root(r, rank) for r in roots_v)
         if "capacity_bytes" not in raw:
             raise ValueError("kv_connector_extra_config.capacity_bytes: missing; give the store's size, e.g. '64GiB'")
-        kw: dict[str, Any] = {"roots": roots, "capacity_bytes": parse_bytes("capacity_bytes", raw.pop("capacity_bytes"))}
+        kw: dict[str, Any] = {"roots": roots, "capacity_bytes": parse_bytes(
+            "kv_connector_extra_config.capacity_bytes", raw.pop("capacity_bytes"))}
         if "staging_bytes" in raw:
-            kw["staging_bytes"] = parse_bytes("staging_bytes", raw.pop("staging_bytes"))
+            kw["staging_bytes"] = parse_bytes("kv_connector_extra_config.staging_bytes", raw.pop("staging_bytes"))
         for name, lo, hi in (("chunk_tokens", 1, 1 << 20), ("lookahead", 1, 1024), ("staging_slots", 2, 4096),
                              ("max_inflight_stores", 1, 4096), ("slots_per_slab", 1, 1 << 20)):
             if name in raw:
@@ -132,6 +214,12 @@ class EngineConfig:
                 raise ValueError(f"kv_connector_extra_config.kv_events_topic={v!r}: expected a string such as "
                                  "\"kv@{host}@{model}\"")
             kw["kv_events_topic"] = v
+        if "io_timeout_s" in raw:
+            v = raw.pop("io_timeout_s")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.001 <= v <= 3600:
+                raise ValueError(f"kv_connector_extra_config.io_timeout_s={v!r}: expected seconds in [0.001, 3600], "
+                                 "e.g. 10")
+            kw["io_timeout_s"] = float(v)
         for name in ("secret_file", "secret_env"):
             if name in raw:
                 v = raw.pop(name)
@@ -144,8 +232,21 @@ class EngineConfig:
         return cfg
 
     def validate(self) -> None:
+        for name in ("capacity_bytes", "staging_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v > MAX_BYTES:
+                raise ValueError(f"kv_connector_extra_config.{name}={v!r}: expected a finite byte count below 2**63 "
+                                 "such as '64GiB'")
         if self.capacity_bytes <= 0:
             raise ValueError(f"kv_connector_extra_config.capacity_bytes={self.capacity_bytes}: expected a positive size")
+        mem = host_memory_bytes()
+        if mem is not None and self.staging_bytes > mem // 2:
+            half = mem // 2
+            hint = " (e.g. the default '512MiB')" if half >= 512 << 20 else ""
+            raise ValueError(
+                f"kv_connector_extra_config.staging_bytes={self.staging_bytes}: more than half of this host's "
+                f"physical memory (the host has {_human(mem)}, {mem} B); the staging ring is pinned host memory: "
+                f"pass at most {half} ({_human(half)}){hint}")
         if self.staging_slot_bytes < 4096:
             raise ValueError(
                 f"kv_connector_extra_config.staging_bytes={self.staging_bytes}: with staging_slots="

@@ -1,0 +1,133 @@
+"""EngineConfig.from_dict and parse_bytes on hostile values: every size finite and bounded, every
+error a ValueError naming the key, the value and the fix; roots expanded ('~') and made
+absolute (a relative root is logged once)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from tutti.engine import config as config_mod
+from tutti.engine.config import EngineConfig, parse_bytes
+
+MAX_BYTES = (1 << 63) - 1  # the largest size accepted
+
+KEY = "kv_connector_extra_config"
+NON_FINITE = ["Infinity", "inf", "-inf", "1e400", "NaN", "nan", float("nan"), float("inf"), float("-inf")]
+
+
+def base(**kw):
+    return {"root": "/mnt/nvme/tutti", "capacity_bytes": "1GiB", **kw}
+
+
+# ---- sizes --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["capacity_bytes", "staging_bytes"])
+@pytest.mark.parametrize("value", NON_FINITE, ids=repr)
+def test_non_finite_sizes_are_refused_naming_the_key(key, value):
+    # pytest.raises(ValueError) also proves it is not an OverflowError (not a ValueError subclass)
+    with pytest.raises(ValueError) as ei:
+        EngineConfig.from_dict(base(**{key: value}))
+    msg = str(ei.value)
+    assert f"{KEY}.{key}=" in msg and repr(value) in msg, msg
+    assert "64GiB" in msg  # the fix: what a size looks like
+
+
+@pytest.mark.parametrize("value", NON_FINITE, ids=repr)
+def test_parse_bytes_never_raises_anything_but_a_named_value_error(value):
+    with pytest.raises(ValueError, match=r"^--capacity="):
+        parse_bytes("--capacity", value)
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64, float(2**63), "9223372036854775808", "8388608TiB", "1e19",
+                                   "1" * 50, "1" * 5000, "9.3e18"], ids=lambda v: repr(v)[:24])
+def test_sizes_of_2_63_or_more_are_refused(value):
+    with pytest.raises(ValueError, match=r"capacity_bytes=.*too large.*below 2\*\*63"):
+        EngineConfig.from_dict(base(capacity_bytes=value))
+
+
+def test_largest_size_is_accepted_exactly():
+    assert parse_bytes("k", "9223372036854775807") == MAX_BYTES
+    assert parse_bytes("k", MAX_BYTES) == MAX_BYTES
+    assert EngineConfig.from_dict(base(capacity_bytes=MAX_BYTES)).capacity_bytes == MAX_BYTES
+
+
+@pytest.mark.parametrize("text,want", [("64GiB", 64 << 30), ("512 MiB", 512 << 20), ("1e9", 10**9), ("1E9", 10**9),
+                                       ("1.5GiB", 3 << 29), (" 4096 ", 4096), (1e9, 10**9), (4096, 4096)])
+def test_ordinary_sizes_still_parse(text, want):
+    assert parse_bytes("k", text) == want
+
+
+@pytest.mark.parametrize("value", [True, 1.5, "lots", "-1", "8EiB", None, [1]], ids=repr)
+def test_other_bad_sizes_name_the_key(value):
+    with pytest.raises(ValueError, match=rf"^{KEY}\.capacity_bytes="):
+        EngineConfig.from_dict(base(capacity_bytes=value))
+
+
+def test_direct_construction_is_validated_too():
+    with pytest.raises(ValueError, match=r"capacity_bytes=inf"):
+        EngineConfig(roots=("/x",), capacity_bytes=float("inf")).validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"capacity_bytes=9223372036854775808"):
+        EngineConfig(roots=("/x",), capacity_bytes=2**63).validate()
+
+
+# ---- staging_bytes against the host's memory ---------------------------------------------------------
+def host_memory():
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_staging_over_half_the_hosts_memory_is_refused():
+    mem = host_memory()
+    with pytest.raises(ValueError) as ei:
+        EngineConfig.from_dict(base(staging_bytes=mem // 2 + 4096))
+    msg = str(ei.value)
+    assert f"{KEY}.staging_bytes={mem // 2 + 4096}" in msg
+    assert "physical memory" in msg and f"{mem} B" in msg  # how much the host has
+    assert f"pass at most {mem // 2}" in msg  # and what to pass
+    assert EngineConfig.from_dict(base(staging_bytes=mem // 2)).staging_bytes == mem // 2
+
+
+def test_staging_bound_follows_sysconf(monkeypatch):
+    real = os.sysconf
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (2 << 30) // 4096}  # a 2 GiB host
+    monkeypatch.setattr(config_mod.os, "sysconf", lambda name: pages.get(name) or real(name))
+    with pytest.raises(ValueError, match=r"staging_bytes=2147483648: .*the host has 2\.0 GiB.*pass at most 1073741824"):
+        EngineConfig.from_dict(base(staging_bytes="2GiB"))
+    assert EngineConfig.from_dict(base(staging_bytes="1GiB")).staging_bytes == 1 << 30
+    pages["SC_PHYS_PAGES"] = (512 << 20) // 4096  # a 512 MiB host: even the default is too much
+    with pytest.raises(ValueError, match=r"staging_bytes=536870912: .*pass at most 268435456 \(256\.0 MiB\)$"):
+        EngineConfig.from_dict(base())
+
+
+# ---- roots -----------------------------------------------------------------------------------
+def test_tilde_root_is_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert EngineConfig.from_dict(base(root="~")).roots == (str(tmp_path),)
+    assert EngineConfig.from_dict(base(root="~/kv")).roots == (str(tmp_path / "kv"),)
+    cfg = EngineConfig.from_dict({"roots": ["~/kv-{rank}", "/mnt/b/{rank}"], "capacity_bytes": "1GiB"}, rank=3)
+    assert cfg.roots == (str(tmp_path / "kv-3"), "/mnt/b/3")
+    assert not (tmp_path / "~").exists()
+
+
+def test_relative_root_is_made_absolute_and_logged_once(monkeypatch, tmp_path, caplog):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(config_mod, "_logged_roots", set(), raising=False)
+    with caplog.at_level(logging.INFO, logger="tutti.engine"):
+        for rank in (0, 0, 0):
+            cfg = EngineConfig.from_dict(base(root="kv/r{rank}"), rank=rank)
+            assert cfg.roots == (str(tmp_path / "kv" / "r0"),)
+        assert EngineConfig.from_dict(base(root="kv/r{rank}"), rank=1).roots == (str(tmp_path / "kv" / "r1"),)
+        assert EngineConfig.from_dict(base(root="./a/../b")).roots == (str(tmp_path / "b"),)
+    recs = [r for r in caplog.records if r.name == "tutti.engine"]
+    assert len(recs) == 3, [r.getMessage() for r in recs]  # once per resolved root, not per call
+    msg = recs[0].getMessage()
+    assert recs[0].levelno == logging.INFO
+    assert "relative" in msg and str(tmp_path) in msg and str(tmp_path / "kv" / "r0") in msg
+    assert "'kv/r{rank}'" in msg
+
+
+def test_absolute_root_is_kept_and_not_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="tutti.engine"):
+        assert EngineConfig.from_dict(base(root="/mnt/nvme/tutti/{rank}"), rank=2).roots == ("/mnt/nvme/tutti/2",)
+    assert not [r for r in caplog.records if r.name == "tutti.engine"]
