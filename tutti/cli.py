@@ -91,40 +91,26 @@ def _lstat(name: str, dir_fd: int, where: str) -> os.stat_result:
         raise _os_problem(where, exc) from None
 
 
-def _open_dir_at(name: str, dir_fd: int, where: str) -> int:
-    """Directory `name` under `dir_fd`, never through a link. FileNotFoundError when missing."""
+def _open_at(name: str, dir_fd: int, where: str, directory: bool) -> tuple[int, os.stat_result]:
+    """A directory or regular file `name` under `dir_fd`: lstat first (anything else, a link, a
+    FIFO, a device, is refused before any open: opening a device can have effects), opened
+    O_NOFOLLOW (files also O_NONBLOCK), then fstat-ed. FileNotFoundError when missing."""
+    expected, is_kind = ("a directory", stat.S_ISDIR) if directory else ("a regular file", stat.S_ISREG)
     st = _lstat(name, dir_fd, where)
-    if not stat.S_ISDIR(st.st_mode):
-        raise _refused(name, dir_fd, where, st, "a directory")
+    if not is_kind(st.st_mode):
+        raise _refused(name, dir_fd, where, st, expected)
     try:
-        fd = os.open(name, _O_DIR, dir_fd=dir_fd)
+        fd = os.open(name, _O_DIR if directory else _O_FILE, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # swapped for a link or a file since the lstat
-            raise _refused(name, dir_fd, where, None, "a directory") from None
-        raise _os_problem(where, exc) from None
-    return fd
-
-
-def _open_file_at(name: str, dir_fd: int, where: str) -> tuple[int, os.stat_result]:
-    """Regular file `name` under `dir_fd`, opened O_NOFOLLOW|O_NONBLOCK and fstat-ed; anything
-    else (link, FIFO, device, directory) is refused. FileNotFoundError when missing."""
-    st = _lstat(name, dir_fd, where)
-    if not stat.S_ISREG(st.st_mode):  # refused before any open: opening a device can have effects
-        raise _refused(name, dir_fd, where, st, "a regular file")
-    try:
-        fd = os.open(name, _O_FILE, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _refused(name, dir_fd, where, None, "a regular file") from None
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # swapped for a link or another type since the lstat
+            raise _refused(name, dir_fd, where, None, expected) from None
         raise _os_problem(where, exc) from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # swapped since the lstat
-            raise _refused(name, dir_fd, where, st, "a regular file")
+        if not is_kind(st.st_mode):  # swapped since the lstat
+            raise _refused(name, dir_fd, where, st, expected)
     except OSError as exc:
         os.close(fd)
         raise _os_problem(where, exc) from None
@@ -132,6 +118,17 @@ def _open_file_at(name: str, dir_fd: int, where: str) -> tuple[int, os.stat_resu
         os.close(fd)
         raise
     return fd, st
+
+
+def _open_dir_at(name: str, dir_fd: int, where: str) -> int:
+    """Directory `name` under `dir_fd`, never through a link. FileNotFoundError when missing."""
+    return _open_at(name, dir_fd, where, directory=True)[0]
+
+
+def _open_file_at(name: str, dir_fd: int, where: str) -> tuple[int, os.stat_result]:
+    """Regular file `name` under `dir_fd`, opened O_NOFOLLOW|O_NONBLOCK and fstat-ed; anything
+    else (link, FIFO, device, directory) is refused. FileNotFoundError when missing."""
+    return _open_at(name, dir_fd, where, directory=False)
 
 
 def _pread_into(fd: int, view: memoryview, pos: int) -> int:
