@@ -145,11 +145,10 @@ def segment_mac(cfg: EngineConfig):
     return None if secret is None else SegmentMac(secret)
 
 
-def with_integrity(cfg: EngineConfig, geom: Geometry) -> Geometry:
-    """`geom` marked with the config's integrity scheme (validating the secret before any IO)."""
+def with_integrity(geom: Geometry, mac) -> Geometry:
+    """`geom` marked with the integrity scheme of `mac` (segment_mac(cfg)); unchanged without one."""
     import dataclasses
 
-    mac = segment_mac(cfg)
     return geom if mac is None else dataclasses.replace(geom, integrity=mac.name)
 
 
@@ -201,7 +200,7 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
     cfg = EngineConfig.from_dict(raw_config, rank=0)
     num_slots = check_geometry(cfg, geom)
     mac = segment_mac(cfg)
-    geom = with_integrity(cfg, geom)
+    geom = with_integrity(geom, mac)
     planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
                       seed=geom.seed() if mac is None else mac.seed(geom.seed()), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
                       store_decode=cfg.store_decode, num_writers=geom.num_writers)
@@ -232,7 +231,8 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
 
     cfg = EngineConfig.from_dict(raw_config, rank=rank)
     check_geometry(cfg, geom)
-    geom = with_integrity(cfg, geom)
+    mac = segment_mac(cfg)  # the secret is read once per half, before any IO
+    geom = with_integrity(geom, mac)
     if layout.num_heads != geom.num_heads or layout.content_bytes != geom.content_bytes:
         raise ValueError(
             f"KV cache layout: found H={layout.num_heads}, C={layout.content_bytes} B per (head, token) in the "
@@ -261,7 +261,7 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
         return WorkerPipeline(cfg, caches=caches, layout=layout, store=store, io_queue=q, kernel=kernel,
                               checksum=segment_checksum, segment_bytes=geom.segment_bytes,
                               chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block,
-                              writes=geom.writes, mac=segment_mac(cfg) if geom.integrity else None)
+                              writes=geom.writes, mac=mac)
     except Exception:
         store.close()
         q.close()

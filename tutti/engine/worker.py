@@ -15,6 +15,7 @@ same code runs with synchronous kernels.
 from __future__ import annotations
 
 import collections
+import os
 import time
 from typing import Callable, Sequence
 
@@ -72,8 +73,6 @@ class WorkerPipeline:
         self.warmup_seconds = 0.0
         # TUTTI_TRACE=1: (event, layer, perf_counter) of reads submitted and layers made ready,
         # to see the rolling load next to compute; bounded, off by default.
-        import os
-
         self.trace: list[tuple[str, int, float]] | None = [] if os.environ.get("TUTTI_TRACE") else None
         self.loads.trace = self.trace
 

@@ -25,7 +25,7 @@ from vllm.logger import init_logger
 
 from tutti.engine.config import EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
-from tutti.engine.session import build_planner, build_worker, check_geometry, with_integrity
+from tutti.engine.session import build_planner, build_worker, check_geometry, segment_mac, with_integrity
 from tutti.vllm import compat
 from tutti.vllm.events import EventPublisher, KVEventTracker, expand_topic
 from tutti.vllm.stats import SchedulerStatsTracker, TuttiKVConnectorStats, TuttiPromMetrics, stats_from
@@ -63,7 +63,8 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         # Validate the config before anything touches the disk: errors name key, value, range.
         self._cfg = EngineConfig.from_dict(self._extra, rank=compat.worker_rank(vllm_config))
         compat.check_single_group(kv_cache_config)
-        self._geom = with_integrity(self._cfg, compat.geometry(vllm_config, self._cfg.chunk_tokens))
+        # validates the secret (if any) before any IO; the namespace of a keyed store is its own
+        self._geom = with_integrity(compat.geometry(vllm_config, self._cfg.chunk_tokens), segment_mac(self._cfg))
         check_geometry(self._cfg, self._geom)  # chunk vs block size, capacity, staging: before any IO
         self._planner = None
         self._worker = None
