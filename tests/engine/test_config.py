@@ -131,3 +131,31 @@ def test_absolute_root_is_kept_and_not_logged(caplog):
     with caplog.at_level(logging.INFO, logger="tutti.engine"):
         assert EngineConfig.from_dict(base(root="/mnt/nvme/tutti/{rank}"), rank=2).roots == ("/mnt/nvme/tutti/2",)
     assert not [r for r in caplog.records if r.name == "tutti.engine"]
+
+
+# ---- sharing a store between users ---------------------------------------------------------------
+def test_share_group_needs_a_secret():
+    with pytest.raises(ValueError, match=r"share_group=.*needs a secret \(secret_file or secret_env\)"):
+        EngineConfig.from_dict(base(share_group=os.getegid()))
+
+
+def test_share_group_must_exist_and_hold_this_process():
+    with pytest.raises(ValueError, match=r"share_group='no-such-group-tutti': no such group on this host"):
+        EngineConfig.from_dict(base(share_group="no-such-group-tutti", secret_env="X"))
+    other = max(os.getgroups() + [os.getegid()]) + 12345
+    with pytest.raises(ValueError, match=rf"share_group={other}: this process .* is not a member of group {other}"):
+        EngineConfig.from_dict(base(share_group=other, secret_env="X"))
+    for bad in (True, "", 1.5, ["g"]):
+        with pytest.raises(ValueError, match="share_group=.*expected the name"):
+            EngineConfig.from_dict(base(share_group=bad, secret_env="X"))
+
+
+def test_share_group_gives_a_shared_access():
+    import grp
+
+    from tutti.engine.session import store_access
+    from tutti.io.safefs import PRIVATE, Access
+
+    cfg = EngineConfig.from_dict(base(share_group=grp.getgrgid(os.getegid()).gr_name, secret_env="X"))
+    assert store_access(cfg) == Access(os.getegid()) and store_access(cfg).dir_mode == 0o2770
+    assert store_access(EngineConfig.from_dict(base())) is PRIVATE

@@ -404,16 +404,16 @@ class StallingQueue(RecordingQueue):
     """A real queue whose reads at chosen file offsets never complete until released (a stalled
     network file system), to prove a load fails its chunk instead of hanging the step."""
 
-    def __init__(self, inner, stall_offsets):
+    def __init__(self, inner, stall_offsets, op="read"):
         super().__init__(inner)
-        self.stall_offsets, self.held = set(stall_offsets), []
+        self.stall_offsets, self.held, self.op = set(stall_offsets), [], op
 
     def submit(self, requests):
         from tutti.io.queue import IOFuture
 
         out = []
         for r in requests:
-            if r.op == "read" and r.offset in self.stall_offsets:
+            if r.op == self.op and r.offset in self.stall_offsets:
                 fut = IOFuture(r)
                 self.held.append(fut)
                 out.append(fut)
@@ -445,4 +445,49 @@ def test_a_stalled_read_fails_its_chunk_and_never_hangs_the_step(tmp_path):
     assert w.take_failed_blocks() == set()
     for s, d in zip(src, dst):
         assert torch.equal(d[[10, 11]], s[[2, 3]])
+    w.close()
+
+
+def test_slab_descriptors_stay_bounded_and_data_round_trips(tmp_path):
+    """One slot per slab and room for two open slabs: 8 chunks stored and loaded back through
+    8 slab files, bit exact, with never more than two slab descriptors left open (IO in flight
+    holds its descriptor; closing one under a read could let the next open reuse its number)."""
+    src = make_caches(0)
+    chunks = [(s, [2 * s, 2 * s + 1]) for s in range(8)]
+    w = worker(tmp_path, src, slots_per_slab=1, max_open_slabs=2)
+    stores = [StoreChunk("r", bytes([i]) * 32, slot, tuple(b), ticket=i + 1) for i, (slot, b) in enumerate(chunks)]
+    run_step(w, StepPlan(1, stores=stores))
+    w.flush()
+    assert sorted(w.take_report().stored) == list(range(1, 9))
+    assert w.store.open_slabs <= 2 and w.store.slabs_closed >= 6
+    w.close()
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, slots_per_slab=1, max_open_slabs=2)
+    loads = [LoadChunk("q", bytes([i]) * 32, slot, (2 * (7 - i), 2 * (7 - i) + 1)) for i, (slot, _) in enumerate(chunks)]
+    run_step(w, StepPlan(2, loads=loads))
+    assert w.take_failed_blocks() == set()
+    for s, d in zip(src, dst):
+        for i in range(8):
+            assert torch.equal(d[[2 * (7 - i), 2 * (7 - i) + 1]], s[[2 * i, 2 * i + 1]])
+    assert w.store.open_slabs <= 2 and w.store.slabs_closed >= 6
+    w.close()
+
+
+def test_a_stalled_write_fails_its_chunk_and_holds_its_buffers_until_it_lands(tmp_path):
+    src = make_caches(0)
+    w = worker(tmp_path, src, io_timeout_s=0.2)
+    w.queue = StallingQueue(w.queue, [2 * geometry().slot_bytes], op="write")  # slot 2's write hangs
+    stores = [StoreChunk("r", bytes([i]) * 32, slot, (2 * i, 2 * i + 1), ticket=i + 1) for i, slot in enumerate((1, 2))]
+    run_step(w, StepPlan(1, stores=stores))
+    w.flush(timeout=10)
+    rep = w.take_report()
+    assert rep.stored == [1] and 2 in rep.store_failed  # failed after the deadline, the writer went on
+    held = w.stores.reap_stragglers()
+    assert held == 1 and w.store._pins  # its staging region and slab descriptor stay held ...
+    w.queue.release()
+    assert w.stores.reap_stragglers() == 0 and not w.store._pins  # ... until the late write lands
+    dst = make_caches(1)
+    run_step(w, StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 1, (8, 9)),
+                                   LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]))
+    assert w.take_failed_blocks() == {10, 11}  # never journaled: not served
     w.close()

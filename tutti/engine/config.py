@@ -103,6 +103,26 @@ def resolve_root(raw: str, rank: int) -> str:
     return resolved
 
 
+def resolve_group(value: Any) -> int:
+    """kv_connector_extra_config.share_group: a group name or number this process belongs to -> its gid."""
+    import grp
+
+    key = "kv_connector_extra_config.share_group"
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value in ("", -1):
+        raise ValueError(f"{key}={value!r}: expected the name (or number) of a group every sharing user belongs to, "
+                         "e.g. \"kvshare\"")
+    try:
+        gid = grp.getgrnam(value).gr_gid if isinstance(value, str) and not value.isdigit() else int(value)
+    except KeyError:
+        raise ValueError(f"{key}={value!r}: no such group on this host; create it (groupadd {value}) and add the "
+                         "sharing users to it, or give its number") from None
+    if gid != os.getegid() and gid not in os.getgroups():
+        raise ValueError(f"{key}={value!r}: this process (uid {os.geteuid()}) is not a member of group {gid}; add the "
+                         "server's user to it (and start a new login session), or drop share_group to keep the store "
+                         "private")
+    return gid
+
+
 def check_zmq_endpoint(value: Any) -> str:
     """'tcp://host:port' (host '*' binds), 'ipc://path' or 'inproc://name'; '' turns events off."""
     key = "kv_connector_extra_config.kv_events_endpoint"
@@ -139,6 +159,7 @@ class EngineConfig:
     max_inflight_stores: int = 48  # slots stores may hold; the rest serve the rolling loads
     verify_checksums: bool = True
     slots_per_slab: int = 64
+    max_open_slabs: int = 256  # slab descriptors kept open (more only while IO in flight holds them)
     store_decode: bool = False  # also store chunks completed by generated tokens
     # Publish tutti's KV events (BlockStored/BlockRemoved, medium STORAGE) on this ZMQ endpoint
     # in vLLM's wire format; "" = off (events still go through vLLM's --kv-events-config).
@@ -148,6 +169,8 @@ class EngineConfig:
     # only where it comes from is kept here, never the secret itself.
     secret_file: str = ""
     secret_env: str = ""
+    # Share the store with servers of other users in this group (a name or number); needs a secret.
+    share_group: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -182,7 +205,8 @@ class EngineConfig:
         if "staging_bytes" in raw:
             kw["staging_bytes"] = parse_bytes("kv_connector_extra_config.staging_bytes", raw.pop("staging_bytes"))
         for name, lo, hi in (("chunk_tokens", 1, 1 << 20), ("lookahead", 1, 1024), ("staging_slots", 2, 4096),
-                             ("max_inflight_stores", 1, 4096), ("slots_per_slab", 1, 1 << 20)):
+                             ("max_inflight_stores", 1, 4096), ("slots_per_slab", 1, 1 << 20),
+                             ("max_open_slabs", 1, 1 << 20)):
             if name in raw:
                 v = raw.pop(name)
                 if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
@@ -227,6 +251,15 @@ class EngineConfig:
                     raise ValueError(f"kv_connector_extra_config.{name}={v!r}: expected a non-empty string (a path "
                                      "to a file holding the secret, or an environment variable's name)")
                 kw[name] = v
+        if "share_group" in raw:
+            v = raw.pop("share_group")
+            resolve_group(v)
+            if not (kw.get("secret_file") or kw.get("secret_env")):
+                raise ValueError(
+                    f"kv_connector_extra_config.share_group={v!r}: sharing a store with other users needs a secret "
+                    "(secret_file or secret_env) known to every sharing server, so that no group member can forge "
+                    "KV for another; add one, or drop share_group")
+            kw["share_group"] = str(v)
         cfg = cls(**kw)
         cfg.validate()
         return cfg

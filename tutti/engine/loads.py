@@ -38,6 +38,7 @@ class _Item:
     chunks: list[LoadChunk]
     slot: StagingSlot | None = None
     futures: list[IOFuture] = field(default_factory=list)
+    pinned: list[int] = field(default_factory=list)  # store slots whose slab descriptors the reads hold
 
 
 class LoadPipeline:
@@ -62,7 +63,7 @@ class LoadPipeline:
         self._verified: object = None  # CUDA event: _bad_host holds the step's mismatches
         self._failed_keys: set[bytes] = set()
         self._failed_blocks: set[int] = set()
-        self._stragglers: list = []  # (slot, futures, event) of reads that missed their deadline
+        self._stragglers: list[tuple[_Item, object]] = []  # (item, event) of reads that missed their deadline
         self._t0 = 0.0
         self.trace: list[tuple[str, int, float]] | None = None
 
@@ -192,10 +193,11 @@ class LoadPipeline:
                 if ld.key in self._failed_keys:
                     continue
                 try:
-                    fd, off = ctx.store.location(ld.slot, item.layer)
+                    fd, off = ctx.store.acquire(ld.slot, item.layer)
                 except (OSError, ValueError, RuntimeError) as exc:  # a slab missing, refused, no fd left...
                     self._fail(ld, f"cannot open its slab: {exc}")  # that chunk's blocks, never the step
                     continue
+                item.pinned.append(ld.slot)
                 reqs.append(IORequest(fd, off, self.ring.buffer, slot.offset + i * ctx.seg, ctx.seg, READ, tag=i))
             with nvtx_range("read", item.layer):
                 item.futures = submit_all(ctx.queue, reqs)
@@ -263,17 +265,24 @@ class LoadPipeline:
                     self._layer_events[item.layer] = ev
             self.counters.add(bytes_loaded=len(good) * seg)
         if stalled:  # a late read may still land in this slot: it comes back once every read is done
-            self._stragglers.append((slot, item.futures, ev))
+            self._stragglers.append((item, ev))
         else:
-            self.ring.release(slot, ev)
+            self._done_with(item, ev)
+
+    def _done_with(self, item: _Item, ev: object) -> None:
+        """Every read of `item` has landed: its staging slot and slab descriptors go back."""
+        self.ring.release(item.slot, ev)
+        for s in item.pinned:
+            self.ctx.store.release(s)
+        item.pinned = []
 
     def _reap_stragglers(self) -> None:
         still = []
-        for slot, futures, ev in self._stragglers:
-            if all(f.done() for f in futures):
-                self.ring.release(slot, ev)
+        for item, ev in self._stragglers:
+            if all(f.done() for f in item.futures):
+                self._done_with(item, ev)
             else:
-                still.append((slot, futures, ev))
+                still.append((item, ev))
         self._stragglers = still
 
     def _check_tags(self, item: _Item, good: list[tuple[int, LoadChunk]]) -> list[tuple[int, LoadChunk]]:

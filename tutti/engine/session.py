@@ -145,6 +145,14 @@ def segment_mac(cfg: EngineConfig):
     return None if secret is None else SegmentMac(secret)
 
 
+def store_access(cfg: EngineConfig):
+    """Private files, or shared with cfg.share_group (validated in the config)."""
+    from tutti.engine.config import resolve_group
+    from tutti.io.safefs import PRIVATE, Access
+
+    return Access(resolve_group(cfg.share_group)) if cfg.share_group else PRIVATE
+
+
 def with_integrity(geom: Geometry, mac) -> Geometry:
     """`geom` marked with the integrity scheme of `mac` (segment_mac(cfg)); unchanged without one."""
     import dataclasses
@@ -210,7 +218,7 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
         try:
             store = ChunkStore(list(rcfg.roots), geom.for_rank(tp, pp).fingerprint(),
                                capacity_bytes=cfg.capacity_bytes, writer=False,
-                               slots_per_slab=cfg.slots_per_slab)
+                               slots_per_slab=cfg.slots_per_slab, access=store_access(cfg))
         except FileNotFoundError:
             per_rank.append({})
             continue
@@ -252,11 +260,13 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
     open_file = lambda name, w, dir_fd: q.open_file(name, write=w, create=w, dir_fd=dir_fd)  # noqa: E731
     if geom.writes:
         store = ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
-                           slots_per_slab=cfg.slots_per_slab, open_file=open_file)
+                           slots_per_slab=cfg.slots_per_slab, open_file=open_file, access=store_access(cfg),
+                           max_open_slabs=cfg.max_open_slabs)
     else:  # read the writer rank's namespace, under the writer rank's roots
         wcfg = EngineConfig.from_dict(raw_config, rank=rank - geom.tp_rank + geom.store_tp_rank)
         store = ReplicaReader(list(wcfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes,
-                              slots_per_slab=cfg.slots_per_slab, open_file=open_file)
+                              slots_per_slab=cfg.slots_per_slab, open_file=open_file, access=store_access(cfg),
+                           max_open_slabs=cfg.max_open_slabs)
     try:
         return WorkerPipeline(cfg, caches=caches, layout=layout, store=store, io_queue=q, kernel=kernel,
                               checksum=segment_checksum, segment_bytes=geom.segment_bytes,
@@ -276,9 +286,11 @@ class ReplicaReader:
     """
 
     def __init__(self, roots: list[str], fingerprint, *, capacity_bytes: int, slots_per_slab: int | None,
-                 open_file) -> None:
+                 open_file, access=None, max_open_slabs: int = 256) -> None:
+        from tutti.io.safefs import PRIVATE
+
         self._args = dict(capacity_bytes=capacity_bytes, writer=False, slots_per_slab=slots_per_slab,
-                          open_file=open_file)
+                          open_file=open_file, access=access or PRIVATE, max_open_slabs=max_open_slabs)
         self._roots, self.fingerprint = roots, fingerprint
         self._store = None
         self._open()
@@ -311,6 +323,15 @@ class ReplicaReader:
         if self._store is None:
             raise RuntimeError("ReplicaReader.location: the writer's namespace is not open (no entries yet)")
         return self._store.location(slot, layer)
+
+    def acquire(self, slot: int, layer: int = 0) -> tuple[int, int]:
+        if self._store is None:
+            raise RuntimeError("ReplicaReader.acquire: the writer's namespace is not open (no entries yet)")
+        return self._store.acquire(slot, layer)
+
+    def release(self, slot: int) -> None:
+        if self._store is not None:
+            self._store.release(slot)
 
     def close(self) -> None:
         if self._store is not None:

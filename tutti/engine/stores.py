@@ -55,6 +55,9 @@ class StorePipeline:
         self._inflight: dict[str, int] = defaultdict(int)
         self._had_stores: set[str] = set()
         self._finished: set[str] = set()
+        # Writes past io_timeout_s (a stalled file system): their chunks failed, but the kernel
+        # may still land them, so their staging regions and slab descriptors stay held until then.
+        self._stragglers: list[tuple[list, list[int], int, int]] = []  # (futures, pinned slots, first, count)
 
     # ---------------------------------------------------------------- step
     def planned(self, stores: Sequence[StoreChunk]) -> None:
@@ -124,6 +127,8 @@ class StorePipeline:
     # ---------------------------------------------------------------- writer thread
     def _write(self, run: _Run) -> None:
         store = self.ctx.store
+        held = False
+        self.reap_stragglers()
         try:
             if run.ready is not None:
                 with nvtx_range("d2h_wait"):
@@ -132,12 +137,27 @@ class StorePipeline:
             if run.free_slots:
                 store.record_free(run.free_slots)
                 store.sync_journal()
-            self._write_chunks(run, sums)
+            held = self._write_chunks(run, sums)
         except Exception as exc:  # noqa: BLE001 - the chunks fail, the writer goes on
             log.exception("tutti: store of %d chunks failed", len(run.chunks))
             self._fail(run.chunks, f"writer error: {exc}", skipped=False)
         finally:
-            self.arena.release(run.first, len(run.chunks))
+            if not held:
+                self.arena.release(run.first, len(run.chunks))
+
+    def reap_stragglers(self) -> int:
+        """Give back what late writes held once they landed; returns how many are still out."""
+        with self._lock:
+            still = []
+            for futures, pinned, first, count in self._stragglers:
+                if all(f.done() for f in futures):
+                    for slot in pinned:
+                        self.ctx.store.release(slot)
+                    self.arena.release(first, count)
+                else:
+                    still.append((futures, pinned, first, count))
+            self._stragglers = still
+            return len(still)
 
     def _tags(self, run: _Run) -> list[int]:
         """Keyed tags of every segment of the run, from the host bytes about to be written."""
@@ -146,24 +166,47 @@ class StorePipeline:
         return [ctx.mac.tag(st.key, layer, host[(i * L + layer) * ctx.seg:(i * L + layer + 1) * ctx.seg])
                 for i, st in enumerate(run.chunks) for layer in range(L)]
 
-    def _write_chunks(self, run: _Run, sums: list[int]) -> None:
+    def _write_chunks(self, run: _Run, sums: list[int]) -> bool:
+        """Write, sync and journal the run's live chunks. True when writes missed their deadline
+        and still hold the run's staging regions (released by reap_stragglers once they land)."""
         ctx, store, L = self.ctx, self.ctx.store, self.ctx.num_layers
         cb, max_io = ctx.chunk_bytes, ctx.queue.caps().max_io_bytes
         reqs = []
         with self._lock:
             live = [(i, st) for i, st in enumerate(run.chunks) if st.ticket in self._live]
-        for i, st in live:
-            fd, off = store.location(st.slot, 0)
-            for o in range(0, cb, max_io):  # one request a chunk, split only past the queue's limit
-                reqs.append(IORequest(fd, off + o, self.arena.buffer, self.arena.buffer_offset(run.first + i) + o,
-                                      min(max_io, cb - o), WRITE, tag=i))
         errors: dict[int, BaseException] = {}
-        with nvtx_range("write"):
-            for fut in submit_all(ctx.queue, reqs):
+        pinned: list[int] = []
+        futures: list = []
+        stalled = False
+        try:
+            for i, st in live:
                 try:
-                    fut.result()
-                except OSError as exc:
-                    errors.setdefault(fut.request.tag, exc)
+                    fd, off = store.acquire(st.slot, 0)  # held until its writes are done
+                except OSError as exc:  # the slab cannot be opened (no descriptor left, refused)
+                    errors[i] = exc
+                    continue
+                pinned.append(st.slot)
+                for o in range(0, cb, max_io):  # one request a chunk, split only past the queue's limit
+                    reqs.append(IORequest(fd, off + o, self.arena.buffer, self.arena.buffer_offset(run.first + i) + o,
+                                          min(max_io, cb - o), WRITE, tag=i))
+            with nvtx_range("write"):
+                futures = submit_all(ctx.queue, reqs)
+                deadline = time.monotonic() + ctx.cfg.io_timeout_s
+                for fut in futures:
+                    try:
+                        fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                    except TimeoutError as exc:  # a stalled file system: fail the chunk, hold its buffers
+                        errors.setdefault(fut.request.tag, exc)
+                        stalled = True
+                    except OSError as exc:
+                        errors.setdefault(fut.request.tag, exc)
+        finally:
+            if stalled:
+                with self._lock:
+                    self._stragglers.append((futures, pinned, run.first, len(run.chunks)))
+            else:
+                for s in pinned:
+                    store.release(s)
         done = []
         for i, st in live:
             if i in errors:
@@ -172,7 +215,7 @@ class StorePipeline:
             else:
                 done.append((st, [int(s) & U64 for s in sums[i * L:(i + 1) * L]]))
         if not done:
-            return
+            return stalled
         try:
             with nvtx_range("commit"):
                 store.sync_data([st.slot for st, _ in done])
@@ -182,7 +225,7 @@ class StorePipeline:
         except OSError as exc:
             log.warning("tutti: making %d chunks durable failed: %s", len(done), exc)
             self._fail([st for st, _ in done], f"sync failed: {exc}", skipped=False)
-            return
+            return stalled
         for st, cks in done:
             self.journal.put(st.slot, st.key, cks)
         with self.counters.lock:
@@ -190,6 +233,7 @@ class StorePipeline:
             self.counters.add_locked(bytes_stored=len(done) * ctx.chunk_bytes,
                                      store_seconds=time.perf_counter() - run.t0)
         self._done([st for st, _ in done])
+        return stalled
 
     # ---------------------------------------------------------------- bookkeeping
     def _skip(self, stores: Sequence[StoreChunk], why: str, *, skipped: bool = True) -> None:

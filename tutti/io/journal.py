@@ -37,7 +37,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
-from tutti.io.safefs import UnsafeFileError, open_file
+from tutti.io.safefs import PRIVATE, Access, UnsafeFileError, open_file
 
 __all__ = [
     "Entry",
@@ -434,7 +434,9 @@ class Journal:
 
     `dir_fd`: a descriptor of the journal's directory; `path`'s basename is then opened (and the
     compaction temp created, renamed and removed) relative to it, `path` naming it in messages.
-    `file_mode`: mode of a journal or temp file this creates (no group/world write bits).
+    `access`: whose files are accepted and how created ones are shared (tutti.io.safefs.Access);
+    `file_mode`: mode of a journal or temp file this creates (default: `access.file_mode`; group
+    write only when the access is shared, world write never).
     `expected_checksums`, `max_slot`: when given, a put with another checksum count or a slot
     >= max_slot is skipped at replay (counted in `skipped_records`) and refused by append_put.
     """
@@ -447,7 +449,8 @@ class Journal:
         compact_ratio: float = 4.0,
         compact_min_bytes: int = 1 << 20,
         dir_fd: int | None = None,
-        file_mode: int = 0o600,
+        file_mode: int | None = None,
+        access: Access = PRIVATE,
         expected_checksums: int | None = None,
         max_slot: int | None = None,
     ) -> None:
@@ -455,8 +458,12 @@ class Journal:
             raise ValueError(f"compact_ratio={compact_ratio}: expected > 1 (e.g. 4.0)")
         if compact_min_bytes < 0:
             raise ValueError(f"compact_min_bytes={compact_min_bytes}: expected >= 0")
-        if not isinstance(file_mode, int) or isinstance(file_mode, bool) or file_mode & ~0o777 or file_mode & 0o022:
-            raise ValueError(f"file_mode={file_mode!r}: expected permission bits without group/world write (e.g. 0o600)")
+        if file_mode is None:
+            file_mode = access.file_mode
+        forbidden = 0o002 if access.shared else 0o022
+        if not isinstance(file_mode, int) or isinstance(file_mode, bool) or file_mode & ~0o777 or file_mode & forbidden:
+            raise ValueError(f"file_mode={file_mode!r}: expected permission bits without "
+                             f"{'world' if access.shared else 'group/world'} write (e.g. {access.file_mode:#o})")
         if dir_fd is not None and (not isinstance(dir_fd, int) or isinstance(dir_fd, bool) or dir_fd < 0):
             raise ValueError(f"dir_fd={dir_fd!r}: expected None or an open directory descriptor")
         self.expected_checksums = _optional_positive(expected_checksums, "expected_checksums", 0xFFFF)
@@ -465,6 +472,7 @@ class Journal:
         self.tmp_path = path + ".compact"
         self.dir_fd = dir_fd
         self.file_mode = file_mode
+        self.access = access
         self._name = os.path.basename(path) if dir_fd is not None else path
         self._tmp_name = self._name + ".compact"
         if dir_fd is not None and not self._name:
@@ -499,6 +507,7 @@ class Journal:
 
     def _open(self, flags: int, *, tmp: bool = False) -> int:
         return open_file(self._tmp_name if tmp else self._name, flags, dir_fd=self.dir_fd, mode=self.file_mode,
+                         access=self.access,
                          where=self._where(tmp))
 
     def _lstat(self, name: str) -> os.stat_result | None:

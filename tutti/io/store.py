@@ -28,12 +28,13 @@ import mmap
 import os
 import stat
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from tutti.io.fingerprint import Fingerprint
 from tutti.io.journal import Entry, Journal, fsync_dir
-from tutti.io.safefs import DIR_MODE, FILE_MODE, UnsafeFileError, check_fd, open_dir, open_file
+from tutti.io.safefs import PRIVATE, Access, UnsafeFileError, check_fd, open_dir, open_file
 
 __all__ = [
     "ChunkStore",
@@ -55,6 +56,7 @@ MANIFEST = "manifest.json"
 LOCK = "LOCK"
 JOURNAL = "journal.bin"
 DEFAULT_SLOTS_PER_SLAB = 64
+DEFAULT_MAX_OPEN_SLABS = 256
 _ZERO_BYTES = 1 << 20
 
 
@@ -138,8 +140,12 @@ class ChunkStore:
         open_file: Callable[[str, bool, int], int] | None = None,
         journal_compact_ratio: float = 4.0,
         journal_compact_min_bytes: int = 1 << 20,
+        access: Access = PRIVATE,
+        max_open_slabs: int = DEFAULT_MAX_OPEN_SLABS,
     ) -> None:
         # ---- argument checks, before any IO ----
+        if not isinstance(access, Access):
+            raise ValueError(f"access={access!r}: expected a tutti.io.safefs.Access (PRIVATE, or Access(gid) to share)")
         if not isinstance(fingerprint, Fingerprint):
             raise ValueError(f"fingerprint: expected a tutti.io.fingerprint.Fingerprint, got {type(fingerprint).__name__}")
         if isinstance(roots, (str, os.PathLike)):
@@ -151,6 +157,8 @@ class ChunkStore:
             raise ValueError(f"roots={roots}: a directory appears twice; give each drive's directory once")
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes < 0:
             raise ValueError(f"capacity_bytes={capacity_bytes!r}: expected a non-negative int byte count")
+        if isinstance(max_open_slabs, bool) or not isinstance(max_open_slabs, int) or max_open_slabs < 1:
+            raise ValueError(f"max_open_slabs={max_open_slabs!r}: expected a positive int (default {DEFAULT_MAX_OPEN_SLABS})")
         if slots_per_slab is not None and (not isinstance(slots_per_slab, int) or slots_per_slab < 1):
             raise ValueError(f"slots_per_slab={slots_per_slab!r}: expected a positive int (default {DEFAULT_SLOTS_PER_SLAB})")
         self.fingerprint = fingerprint
@@ -167,11 +175,19 @@ class ChunkStore:
                 f"(num_layers={self.num_layers} x segment_bytes={self.segment_bytes}); pass at least {self.slot_bytes}"
             )
         self._open_file = open_file
+        self.access = access
         self.namespaces = tuple(os.path.join(r, NAMESPACE_PREFIX + self.digest) for r in roots)
         self._lock_fds: list[int] = []
         self._root_fds: list[int | None] = [None] * len(roots)
         self._ns_fds: list[int | None] = [None] * len(roots)  # every store file is opened relative to these
-        self._slab_fds: dict[tuple[int, int], int] = {}
+        # Open slab descriptors, least recently used first, at most max_open_slabs of them unless
+        # IO in flight pins more (acquire/release): a descriptor is closed only when no IO uses it,
+        # since its number could otherwise be reused by the next open and the IO hit another file.
+        self._slab_fds: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._pins: dict[tuple[int, int], int] = {}
+        self.max_open_slabs = max_open_slabs
+        self.slabs_closed = 0  # descriptors closed to stay within max_open_slabs
+        self._unsynced: set[tuple[int, int]] = set()  # closed by _trim; sync_data opens them again
         self._zeros: mmap.mmap | None = None
         self._closed = False
         # IO threads may ask for locations while the engine thread records: guard the fd cache and journal.
@@ -192,6 +208,7 @@ class ChunkStore:
                 compact_ratio=journal_compact_ratio,
                 compact_min_bytes=journal_compact_min_bytes,
                 dir_fd=self._ns_fds[0],
+                access=self.access,
                 expected_checksums=self.num_layers,
             )
             self._drop_out_of_range()
@@ -218,7 +235,12 @@ class ChunkStore:
             if not self.writer:
                 return False  # nothing stored yet; a reader creates nothing
             try:
-                os.mkdir(root, DIR_MODE)
+                os.mkdir(root, self.access.dir_mode)
+                fd = open_dir(root, check=False, where=f"store root {root!r}")
+                try:
+                    self.access.adopt(fd)
+                finally:
+                    os.close(fd)
                 fsync_dir(parent)
             except FileExistsError:
                 pass
@@ -253,7 +275,7 @@ class ChunkStore:
         if st is not None and not stat.S_ISDIR(st.st_mode):
             raise StoreRootError(f"namespace {ns!r}: exists but is not a directory; remove that file")
         try:
-            self._ns_fds[i] = open_dir(name, dir_fd=self._root_fds[i], create=st is None,
+            self._ns_fds[i] = open_dir(name, dir_fd=self._root_fds[i], create=st is None, access=self.access,
                                        where=f"namespace {ns!r}")
         except UnsafeFileError:
             raise
@@ -269,7 +291,8 @@ class ChunkStore:
     def _lock(self, i: int) -> None:
         path = os.path.join(self.namespaces[i], LOCK)
         # no O_TRUNC: keep the holder's pid; never a link (it would truncate another user's file)
-        fd = open_file(LOCK, os.O_RDWR | os.O_CREAT, dir_fd=self._ns_fds[i], where=f"lock file {path!r}")
+        fd = open_file(LOCK, os.O_RDWR | os.O_CREAT, dir_fd=self._ns_fds[i], access=self.access,
+                       where=f"lock file {path!r}")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -321,7 +344,7 @@ class ChunkStore:
             expected = self._expected_manifest(i, sps)
             if m is None:
                 if self.writer:
-                    _write_manifest(self.namespaces[i], expected, self._ns_fds[i])
+                    _write_manifest(self.namespaces[i], expected, self._ns_fds[i], self.access)
                 continue
             self._compare_manifest(i, m, expected)
         return sps
@@ -381,21 +404,68 @@ class ChunkStore:
         return os.path.join(self.namespaces[r], f"slab-{slab}.bin")
 
     def location(self, slot: int, layer: int = 0) -> tuple[int, int]:
-        """(fd, byte offset) of layer `layer` of `slot`. A writer creates the slab file on first use."""
+        """(fd, byte offset) of layer `layer` of `slot`. A writer creates the slab file on first use.
+
+        The descriptor may be closed by a later open once more than max_open_slabs slabs are
+        open: IO that outlives other store calls takes it with acquire() and gives it back with
+        release()."""
         self._check_open()
         self._check_slot(slot)
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer={layer!r}: expected an int in [0, {self.num_layers}) (num_layers of the fingerprint)")
         r, slab, off = self._place(slot)
-        return self._slab_fd(r, slab), off + layer * self.segment_bytes
+        with self._mutex:
+            return self._slab_fd(r, slab), off + layer * self.segment_bytes
+
+    def acquire(self, slot: int, layer: int = 0) -> tuple[int, int]:
+        """location(), with the descriptor kept open until release(slot): what IO in flight holds."""
+        with self._mutex:
+            fd, off = self.location(slot, layer)
+            k = self._place(slot)[:2]
+            self._pins[k] = self._pins.get(k, 0) + 1
+            return fd, off
+
+    def release(self, slot: int) -> None:
+        """The IO of one acquire(slot) is done (completed, failed or abandoned)."""
+        with self._mutex:
+            k = self._place(self._check_slot(slot))[:2]
+            n = self._pins.get(k, 0) - 1
+            if n > 0:
+                self._pins[k] = n
+            else:
+                self._pins.pop(k, None)
+                self._trim()
+
+    @property
+    def open_slabs(self) -> int:
+        return len(self._slab_fds)
 
     def _slab_fd(self, r: int, slab: int) -> int:
+        """Caller holds the mutex."""
         fd = self._slab_fds.get((r, slab))
         if fd is not None:
+            self._slab_fds.move_to_end((r, slab))
             return fd
-        with self._mutex:
-            fd = self._slab_fds.get((r, slab))
-            return fd if fd is not None else self._open_slab(r, slab)
+        fd = self._open_slab(r, slab)
+        self._trim()
+        return fd
+
+    def _trim(self) -> None:
+        """Close least recently used slab descriptors no IO holds, down to max_open_slabs. Caller
+        holds the mutex. Data a writer wrote through a closed descriptor is synced by sync_data,
+        which opens the file again (fdatasync acts on the file, not the descriptor)."""
+        if len(self._slab_fds) <= self.max_open_slabs or self._closed:
+            return
+        for k in list(self._slab_fds):
+            if len(self._slab_fds) <= self.max_open_slabs:
+                break
+            if k in self._pins or k == next(reversed(self._slab_fds)):
+                continue
+            fd = self._slab_fds.pop(k)
+            if self.writer:
+                self._unsynced.add(k)
+            os.close(fd)
+            self.slabs_closed += 1
 
     def _namespace_fd(self, r: int) -> int | None:
         """Root r's namespace descriptor; a reader opened before the writer created the
@@ -403,7 +473,8 @@ class ChunkStore:
         if self._ns_fds[r] is None and self._root_fds[r] is not None:
             name = os.path.basename(self.namespaces[r])
             if _exists(name, self._root_fds[r]):
-                self._ns_fds[r] = open_dir(name, dir_fd=self._root_fds[r], where=f"namespace {self.namespaces[r]!r}")
+                self._ns_fds[r] = open_dir(name, dir_fd=self._root_fds[r], access=self.access,
+                                           where=f"namespace {self.namespaces[r]!r}")
         return self._ns_fds[r]
 
     def _open_slab(self, r: int, slab: int) -> int:
@@ -414,7 +485,8 @@ class ChunkStore:
             raise OSError(errno.ENOENT, f"slab file {path!r} is missing (namespace not created yet)", path)
         if self.writer:
             try:
-                os.close(open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=ns_fd, where=f"slab {path!r}"))
+                os.close(open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=ns_fd, access=self.access,
+                                   where=f"slab {path!r}"))
                 os.fsync(ns_fd)  # the new name must survive a crash with the data under it
             except FileExistsError:
                 pass
@@ -425,7 +497,7 @@ class ChunkStore:
         else:
             fd = open_file(name, os.O_RDWR if self.writer else os.O_RDONLY, dir_fd=ns_fd, check=False)
         try:
-            check_fd(fd, f"slab {path!r}")
+            check_fd(fd, f"slab {path!r}", access=self.access)
         except BaseException:
             os.close(fd)
             raise
@@ -446,18 +518,23 @@ class ChunkStore:
             if s in self.journal.entries:
                 raise ValueError(f"slots[]={s}: holds a chunk; record_free() it before allocate() would zero it")
         for s in sorted(set(slots)):
-            fd, start = self.location(s)
-            end = start + self.slot_bytes
-            if os.fstat(fd).st_size >= end and not _has_hole(fd, start, end):
-                continue
-            if self._zeros is None:
-                self._zeros = mmap.mmap(-1, _ZERO_BYTES)  # page aligned: also fine for O_DIRECT fds
-            pos = start
-            while pos < end:
-                n = os.pwrite(fd, memoryview(self._zeros)[: min(_ZERO_BYTES, end - pos)], pos)
-                if n <= 0:
-                    raise OSError(errno.EIO, f"zero-fill of slot {s} wrote {n} bytes")
-                pos += n
+            fd, start = self.acquire(s)
+            try:
+                self._zero_fill(s, fd, start, start + self.slot_bytes)
+            finally:
+                self.release(s)
+
+    def _zero_fill(self, s: int, fd: int, start: int, end: int) -> None:
+        if os.fstat(fd).st_size >= end and not _has_hole(fd, start, end):
+            return
+        if self._zeros is None:
+            self._zeros = mmap.mmap(-1, _ZERO_BYTES)  # page aligned: also fine for O_DIRECT fds
+        pos = start
+        while pos < end:
+            n = os.pwrite(fd, memoryview(self._zeros)[: min(_ZERO_BYTES, end - pos)], pos)
+            if n <= 0:
+                raise OSError(errno.EIO, f"zero-fill of slot {s} wrote {n} bytes")
+            pos += n
 
     # ---- durability ---------------------------------------------------------------------
     def record_free(self, slots: Sequence[int]) -> None:
@@ -484,13 +561,17 @@ class ChunkStore:
     def sync_data(self, slots: Sequence[int] | None = None) -> None:
         """fdatasync the slab files holding `slots` (all open slab files when None)."""
         self._require_writer()
-        if slots is None:
-            fds = list(self._slab_fds.values())
-        else:
-            keys = {self._place(self._check_slot(s, "slots[]"))[:2] for s in slots}
-            fds = [self._slab_fds[k] for k in sorted(keys) if k in self._slab_fds]
-        for fd in fds:
-            os.fdatasync(fd)
+        with self._mutex:
+            if slots is None:
+                keys = set(self._slab_fds) | self._unsynced
+            else:
+                keys = {self._place(self._check_slot(s, "slots[]"))[:2] for s in slots}
+            for k in sorted(keys):
+                if k not in self._slab_fds and k not in self._unsynced:
+                    continue  # never opened by this writer: nothing of ours to sync there
+                fd = self._slab_fd(*k)  # opens a closed one again
+                os.fdatasync(fd)
+                self._unsynced.discard(k)
 
     def sync_journal(self) -> None:
         """Write and fsync every record appended since the last call (one fsync for the batch)."""
@@ -668,7 +749,7 @@ def _read_manifest(ns: str, dir_fd: int | None = None) -> dict:
     return data
 
 
-def _write_manifest(ns: str, manifest: dict, dir_fd: int) -> None:
+def _write_manifest(ns: str, manifest: dict, dir_fd: int, access: Access = PRIVATE) -> None:
     # Atomic: a crash leaves either no manifest (created again on the next open) or a whole one.
     # The temporary is created exclusively (a planted file or link there is removed, never followed).
     tmp = MANIFEST + ".tmp"
@@ -677,7 +758,7 @@ def _write_manifest(ns: str, manifest: dict, dir_fd: int) -> None:
         os.unlink(tmp, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
-    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd, mode=FILE_MODE,
+    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd, access=access,
                    where=f"manifest {os.path.join(ns, tmp)!r}")
     try:
         view = memoryview(data)
