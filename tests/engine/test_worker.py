@@ -195,7 +195,8 @@ def test_kth_read_failure_fails_exactly_that_chunks_blocks(tmp_path, k):
     w.close()
 
 
-def test_corrupt_slab_is_caught_by_checksum(tmp_path):
+@pytest.mark.parametrize("mapped", [False, True], ids=["file", "mapped"])
+def test_corrupt_slab_is_caught_by_checksum(tmp_path, mapped):
     src = make_caches(0)
     store_chunks(tmp_path, src, [(0, [0, 1]), (1, [2, 3])])
     slab = next(p for p in tmp_path.rglob("slab-*.bin"))
@@ -203,7 +204,7 @@ def test_corrupt_slab_is_caught_by_checksum(tmp_path):
         off = geometry().slot_bytes + geometry().segment_bytes + 100
         f.seek(off); b = f.read(1); f.seek(off); f.write(bytes([b[0] ^ 0x40]))
     dst = make_caches(1)
-    w = worker(tmp_path, dst)
+    w = worker(tmp_path, dst, mapped_loads=mapped)
     loads = [LoadChunk("q", bytes([0]) * 32, 0, (8, 9)), LoadChunk("q", bytes([1]) * 32, 1, (10, 11))]
     run_step(w, StepPlan(2, loads=loads))
     # verified on the device, read back once after the step: the bad chunk's blocks are
@@ -368,7 +369,8 @@ def _forge(tmp_path, slot, new_bytes_of_layer1):
 
 
 @pytest.mark.parametrize("secret", [False, True])
-def test_forged_kv_is_refused_only_with_a_secret(tmp_path, monkeypatch, secret):
+@pytest.mark.parametrize("mapped", [False, True], ids=["file", "mapped"])
+def test_forged_kv_is_refused_only_with_a_secret(tmp_path, monkeypatch, secret, mapped):
     """Without a secret the store trusts whoever can write it (private modes make that only its
     user): forged bytes with matching checksums are served. With one, their keyed tags fail and
     nothing of them is scattered."""
@@ -386,7 +388,7 @@ def test_forged_kv_is_refused_only_with_a_secret(tmp_path, monkeypatch, secret):
     _forge(tmp_path, 1, bytes(range(256)) * (geometry().segment_bytes // 256))
     dst = make_caches(1)
     before = [c.clone() for c in dst]
-    w = worker(tmp_path, dst, **kw)
+    w = worker(tmp_path, dst, mapped_loads=mapped, **kw)
     loads = [LoadChunk("q", bytes([1]) * 32, 0, (8, 9)), LoadChunk("q", bytes([2]) * 32, 1, (10, 11))]
     run_step(w, StepPlan(2, loads=loads))
     failed = w.take_failed_blocks()
@@ -490,4 +492,34 @@ def test_a_stalled_write_fails_its_chunk_and_holds_its_buffers_until_it_lands(tm
     run_step(w, StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 1, (8, 9)),
                                    LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]))
     assert w.take_failed_blocks() == {10, 11}  # never journaled: not served
+    w.close()
+
+
+def test_mapped_loads_come_from_the_mapping_not_read_calls(tmp_path):
+    """A RAM root's loads (forced on here, on any file system) copy from the mapped slab: no read
+    request reaches the IO queue, and whole and partial chunks land bit exact. The slab file a
+    file-path writer left short is extended (sparse) by the mapping writer before it is mapped."""
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(3, [0, 1]), (7, [4, 5])])
+    slab = next(p for p in tmp_path.rglob("slab-*.bin"))
+    assert slab.stat().st_size == 8 * geometry().slot_bytes  # written up to slot 7 only
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, mapped_loads=True)
+    w.warm_up()  # maps (and on CUDA registers) every stored slab, as the connector does at start
+    assert w.store.maps_ram and w.mapped_bytes == 64 * geometry().slot_bytes and slab.stat().st_size == 64 * geometry().slot_bytes  # capacity: 64 slots
+    w.queue = RecordingQueue(w.queue)
+    keep = [c[12].clone() for c in dst]
+    loads = [LoadChunk("q", bytes([0]) * 32, 3, (20, 21)), LoadChunk("q", bytes([1]) * 32, 7, (12, 13), skip_blocks=1)]
+    run_step(w, StepPlan(2, loads=loads))
+    assert w.take_failed_blocks() == set() and w.queue.reads == 0
+    for s, d, k in zip(src, dst, keep):
+        assert torch.equal(d[[20, 21]], s[[0, 1]]) and torch.equal(d[13], s[5]) and torch.equal(d[12], k)
+    w.close()
+
+
+def test_mapped_loads_are_off_by_default_off_ram_file_systems(tmp_path):
+    from tutti.io.rammap import fs_type
+
+    w = worker(tmp_path, make_caches(0))
+    assert w.store.maps_ram == (fs_type(str(tmp_path)) in ("tmpfs", "ramfs"))
     w.close()

@@ -160,6 +160,9 @@ class EngineConfig:
     verify_checksums: bool = True
     slots_per_slab: int = 64
     max_open_slabs: int = 256  # slab descriptors kept open (more only while IO in flight holds them)
+    # Loads copy straight from slab files mapped into memory (one DMA on CUDA, no read system
+    # call): "auto" = where every root is on a RAM file system (tmpfs, ramfs) and not shared.
+    mapped_loads: Any = "auto"
     store_decode: bool = False  # also store chunks completed by generated tokens
     # Publish tutti's KV events (BlockStored/BlockRemoved, medium STORAGE) on this ZMQ endpoint
     # in vLLM's wire format; "" = off (events still go through vLLM's --kv-events-config).
@@ -212,6 +215,12 @@ class EngineConfig:
                 if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                     raise ValueError(f"kv_connector_extra_config.{name}={v!r}: expected an integer in [{lo}, {hi}]")
                 kw[name] = v
+        if "mapped_loads" in raw:
+            v = raw.pop("mapped_loads")
+            if v not in ("auto", True, False) or isinstance(v, int) and not isinstance(v, bool):
+                raise ValueError(f"kv_connector_extra_config.mapped_loads={v!r}: expected \"auto\" (RAM roots "
+                                 "only), true or false")
+            kw["mapped_loads"] = v
         for name in ("verify_checksums", "store_decode"):
             if name in raw:
                 v = raw.pop(name)

@@ -39,6 +39,7 @@ class _Item:
     slot: StagingSlot | None = None
     futures: list[IOFuture] = field(default_factory=list)
     pinned: list[int] = field(default_factory=list)  # store slots whose slab descriptors the reads hold
+    mapped: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk index -> its segment in a mapped slab
 
 
 class LoadPipeline:
@@ -50,6 +51,7 @@ class LoadPipeline:
         self.counters = counters
         self.forget = forget  # a corrupt or unreadable chunk: journal its slot free
         self.per_slot = ring.slot_bytes // ctx.seg
+        self.maps = bool(getattr(ctx.store, "maps_ram", False))  # loads copy from mapped slabs (RAM roots)
         if ctx.cuda:
             self.stream = torch.cuda.Stream(ctx.device)
         self._loads: list[LoadChunk] = []
@@ -184,7 +186,7 @@ class LoadPipeline:
             item = self._items[self._next_submit]
             if item.layer > max_layer:
                 return
-            slot = self.ring.try_acquire()
+            slot = self.ring.try_acquire(wait_host=not self.maps)
             if slot is None:
                 return
             item.slot = slot
@@ -192,6 +194,13 @@ class LoadPipeline:
             for i, ld in enumerate(item.chunks):
                 if ld.key in self._failed_keys:
                     continue
+                if self.maps:
+                    src = self._mapped(ld, item.layer)
+                    if src is not None:  # a RAM root: one copy (a DMA on CUDA) from the page cache
+                        item.mapped[i] = src
+                        self._copy_mapped(slot, i, src)
+                        continue
+                    self.ring.wait_host(slot)  # this one goes through the host buffer
                 try:
                     fd, off = ctx.store.acquire(ld.slot, item.layer)
                 except (OSError, ValueError, RuntimeError) as exc:  # a slab missing, refused, no fd left...
@@ -204,6 +213,20 @@ class LoadPipeline:
             if self.trace is not None and len(self.trace) < 100_000:
                 self.trace.append(("read", item.layer, time.perf_counter()))
             self._next_submit += 1
+
+    def _mapped(self, ld: LoadChunk, layer: int) -> torch.Tensor | None:
+        try:
+            return self.ctx.store.mapped(ld.slot, layer)
+        except (OSError, ValueError, RuntimeError):
+            return None  # the file path reports what is wrong
+
+    def _copy_mapped(self, slot: StagingSlot, i: int, src: torch.Tensor) -> None:
+        seg = self.ctx.seg
+        if self.ctx.cuda:
+            with torch.cuda.stream(self.stream):  # ordered before this item's verify and scatter
+                slot.device[i * seg:(i + 1) * seg].copy_(src, non_blocking=True)
+        else:
+            slot.host[i * seg:(i + 1) * seg].copy_(src)
 
     def _process(self, item: _Item) -> None:
         ctx, seg = self.ctx, self.ctx.seg
@@ -244,7 +267,13 @@ class LoadPipeline:
             with self._on_stream():
                 src = slot.host[: n * seg].view(n, seg)
                 if ctx.cuda:
-                    slot.device[: n * seg].copy_(slot.host[: n * seg], non_blocking=True)
+                    if not item.mapped:
+                        slot.device[: n * seg].copy_(slot.host[: n * seg], non_blocking=True)
+                    else:  # the mapped ones are on the device already
+                        for i, _ in good:
+                            if i not in item.mapped:
+                                slot.device[i * seg:(i + 1) * seg].copy_(slot.host[i * seg:(i + 1) * seg],
+                                                                         non_blocking=True)
                     src = slot.device[: n * seg].view(n, seg)
                 if self._bad is not None:
                     with nvtx_range("verify", item.layer):
@@ -293,7 +322,8 @@ class LoadPipeline:
         with nvtx_range("verify", item.layer):
             for i, ld in good:
                 want = self._sums[item.first + i][item.layer]
-                if ctx.mac.tag(ld.key, item.layer, host[i * seg:(i + 1) * seg]) != want:
+                data = item.mapped[i].numpy() if i in item.mapped else host[i * seg:(i + 1) * seg]
+                if ctx.mac.tag(ld.key, item.layer, data) != want:
                     self._fail(ld, f"keyed tag mismatch in layer {item.layer}: not written by a holder of the secret")
                     self.forget(ld)
                 else:

@@ -52,15 +52,24 @@ class StagingRing:
         with self._lock:
             return len(self._free)
 
-    def try_acquire(self) -> StagingSlot | None:
+    def try_acquire(self, wait_host: bool = True) -> StagingSlot | None:
+        """A free slot, or None. `wait_host`: return only once the consumer of its last contents
+        has finished (the host may then write the host buffer); False for a user that touches
+        only the device buffer on the consumer's own stream (it calls `wait_host` if it changes
+        its mind)."""
         with self._lock:
             if not self._free:
                 return None
             slot = self.slots[self._free.pop()]
+        if wait_host:
+            self.wait_host(slot)
+        return slot
+
+    @staticmethod
+    def wait_host(slot: StagingSlot) -> None:
         if slot.busy_until is not None:
             slot.busy_until.synchronize()  # the consumer of its last contents (already enqueued) finishes
             slot.busy_until = None
-        return slot
 
     def acquire(self, timeout: float | None = None) -> StagingSlot:
         with self._cv:

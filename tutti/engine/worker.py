@@ -184,6 +184,8 @@ class WorkerPipeline:
             ctx.checksum(whole.view(ctx.num_layers, ctx.seg))
         if bpc > 1:  # a partial chunk: every block is block 0, so its bytes come back unchanged
             self.loads._scatter_partial(0, seg, LoadChunk("warm-up", b"", 0, tuple(blocks[0]), skip_blocks=1))
+        map_all = getattr(self.store, "map_all", None)
+        self.mapped_bytes = map_all() if map_all is not None else 0  # RAM roots: pin the stored pages now
         if ctx.cuda:
             torch.cuda.synchronize(ctx.device)
         self.warmup_seconds = time.perf_counter() - t0

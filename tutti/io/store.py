@@ -142,6 +142,7 @@ class ChunkStore:
         journal_compact_min_bytes: int = 1 << 20,
         access: Access = PRIVATE,
         max_open_slabs: int = DEFAULT_MAX_OPEN_SLABS,
+        map_ram: bool = False,
     ) -> None:
         # ---- argument checks, before any IO ----
         if not isinstance(access, Access):
@@ -188,6 +189,12 @@ class ChunkStore:
         self.max_open_slabs = max_open_slabs
         self.slabs_closed = 0  # descriptors closed to stay within max_open_slabs
         self._unsynced: set[tuple[int, int]] = set()  # closed by _trim; sync_data opens them again
+        # Loads straight from mapped slabs (RAM file systems; see tutti.io.rammap): private stores only.
+        self._maps = None
+        if map_ram and not access.shared:
+            from tutti.io.rammap import SlabMaps
+
+            self._maps = SlabMaps()
         self._zeros: mmap.mmap | None = None
         self._closed = False
         # IO threads may ask for locations while the engine thread records: guard the fd cache and journal.
@@ -436,6 +443,64 @@ class ChunkStore:
                 self._pins.pop(k, None)
                 self._trim()
 
+    # ---- mapped slabs (RAM roots) -----------------------------------------------------------
+    @property
+    def maps_ram(self) -> bool:
+        return self._maps is not None
+
+    def _slab_length(self, r: int, slab: int) -> int:
+        """Bytes of slab `slab` under root r: whole slots of the capacity, never past it."""
+        nroots = len(self.roots)
+        local_slots = (self.num_slots - r + nroots - 1) // nroots
+        return max(0, min(self.slots_per_slab, local_slots - slab * self.slots_per_slab)) * self.slot_bytes
+
+    def mapped(self, slot: int, layer: int = 0, nbytes: int | None = None):
+        """A uint8 CPU tensor over layer `layer` of `slot` (and `nbytes` past it, default one
+        segment) in the slab's mapping, registered for DMA where CUDA is; None when this store
+        maps nothing or the slab file is shorter than its slots (then use location())."""
+        if self._maps is None:
+            return None
+        self._check_open()
+        self._check_slot(slot)
+        r, slab, off = self._place(slot)
+        off += layer * self.segment_bytes
+        n = self.segment_bytes if nbytes is None else nbytes
+        with self._mutex:
+            t = self._maps.get((r, slab))
+            if t is None:
+                t = self._map_slab(r, slab)
+        return None if t is None or off + n > t.numel() else t[off:off + n]
+
+    def _map_slab(self, r: int, slab: int):
+        """Caller holds the mutex. A writer first makes the file as long as its slots (sparse)."""
+        length = self._slab_length(r, slab)
+        try:
+            fd = self._slab_fd(r, slab)
+            if self.writer and os.fstat(fd).st_size < length:
+                os.ftruncate(fd, length)
+            return self._maps.map((r, slab), fd, length)
+        except OSError as exc:
+            # ENOENT (no chunk stored there yet), ENOMEM...: the file path still works
+            if exc.errno != errno.ENOENT:
+                log_once(f"tutti: slab {r}/{slab} cannot be mapped ({exc}); loads read it through the file")
+            return None
+
+    def map_all(self) -> int:
+        """Map (and register) every slab file that exists now: a server's start-up, so that no
+        request pays for pinning pages. Returns the bytes mapped."""
+        if self._maps is None:
+            return 0
+        with self._mutex:
+            for r, ns in enumerate(self.namespaces):
+                ns_fd = self._namespace_fd(r)
+                if ns_fd is None:
+                    continue
+                for name in os.listdir(ns_fd):
+                    digits = name[5:-4] if name.startswith("slab-") and name.endswith(".bin") else ""
+                    if digits.isdigit() and self._slab_length(r, int(digits)) and self._maps.get((r, int(digits))) is None:
+                        self._map_slab(r, int(digits))
+            return self._maps.mapped_bytes
+
     @property
     def open_slabs(self) -> int:
         return len(self._slab_fds)
@@ -502,6 +567,8 @@ class ChunkStore:
             os.close(fd)
             raise
         self._slab_fds[(r, slab)] = fd
+        if self._maps is not None and self.writer and self._maps.get((r, slab)) is None:
+            self._map_slab(r, slab)  # mostly the writer thread's first store there: off the load path
         return fd
 
     def allocate(self, slots: Sequence[int]) -> None:
@@ -674,6 +741,8 @@ class ChunkStore:
         finally:
             if self.journal is not None:
                 self.journal.close()
+            if self._maps is not None:
+                self._maps.close()
             for fd in self._slab_fds.values():
                 os.close(fd)
             self._slab_fds.clear()
@@ -710,6 +779,17 @@ class ChunkStore:
 
 
 # ---- helpers ------------------------------------------------------------------------------
+_logged: set[str] = set()
+
+
+def log_once(msg: str) -> None:
+    import logging
+
+    if msg not in _logged:
+        _logged.add(msg)
+        logging.getLogger("tutti.io").warning(msg)
+
+
 def _exists(name: str, dir_fd: int | None) -> bool:
     try:
         os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
