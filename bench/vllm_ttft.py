@@ -37,12 +37,18 @@ ROOT = os.path.dirname(HERE)
 
 
 # ----------------------------------------------------------------------------- model
-def make_model(path: str, tiny: bool) -> str:
-    """A config.json with an 8B Llama's KV geometry (32 layers, 8 KV heads, head_dim 128)."""
+def make_model(path: str, tiny: bool, geometry: str = "8b") -> str:
+    """A config.json with an 8B Llama's KV geometry (32 layers, 8 KV heads, head_dim 128), or a
+    70B-class layer (hidden 8192, 64 heads, 8 KV heads, head_dim 128) cut to 20 layers so it fits
+    one H200 with random weights: the same KV bytes per layer and token as the 8B geometry, about
+    4x the compute per KV byte."""
     os.makedirs(path, exist_ok=True)
     if tiny:
         cfg = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=2, head_dim=64, vocab_size=4096)
+    elif geometry == "70b":
+        cfg = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=20, num_attention_heads=64,
+                   num_key_value_heads=8, head_dim=128, vocab_size=32000)
     else:
         cfg = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                    num_key_value_heads=8, head_dim=128, vocab_size=32000)
@@ -199,10 +205,11 @@ def run_case(case: str, a) -> dict:
                         SamplingParams(max_tokens=tokens, temperature=0, detokenize=False, ignore_eos=True))
         return 1e3 * (t_many - t_one) / (tokens - 1)
 
-    # decode, idle: prompts shorter than a chunk, nothing to store
-    res["decode_idle_ms"] = itl(4000, a.idle_batch, a.idle_prompt, a.idle_tokens)
-    # decode while storing: fresh long prompts whose chunks are written while they decode
-    res["decode_itl_ms"] = itl(5000, a.decode_batch, a.decode_prompt, a.decode_tokens)
+    if not a.no_decode:
+        # decode, idle: prompts shorter than a chunk, nothing to store
+        res["decode_idle_ms"] = itl(4000, a.idle_batch, a.idle_prompt, a.idle_tokens)
+        # decode while storing: fresh long prompts whose chunks are written while they decode
+        res["decode_itl_ms"] = itl(5000, a.decode_batch, a.decode_prompt, a.decode_tokens)
     try:
         conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
         planner = getattr(conn, "planner", None)
@@ -214,6 +221,8 @@ def run_case(case: str, a) -> dict:
 
             w = get_kv_transfer_group().worker
             res["tutti"]["backend"] = w.queue.caps().backend
+            res["tutti"]["mapped_loads"] = bool(getattr(w.store, "maps_ram", False))
+            res["tutti"]["mapped_bytes"] = getattr(w, "mapped_bytes", 0)
             res["tutti"]["kernel"] = w.kernel.name
             res["tutti"]["warmup_s"] = w.warmup_seconds
             res["tutti"]["whole_steps"] = dict(w.whole_steps)
@@ -227,32 +236,14 @@ def run_case(case: str, a) -> dict:
     return res
 
 
-def storage_ceiling(root: str, segment: int = 1 << 20) -> dict:
-    """Raw read throughput of tutti's slab files, io_uring and threads, same file system."""
+def storage_ceiling(root: str) -> dict:
+    """Raw read rates of tutti's slab files (threads; io_uring off tmpfs), pinned host-to-device
+    copies, and on tmpfs copies straight from a registered mapping: bench/load_rate.py's ceilings."""
     sys.path.insert(0, ROOT)
-    from tutti.io.buffers import aligned_buffer
-    from tutti.io.queue import IORequest, open_queue, submit_all, wait_all
+    sys.path.insert(0, HERE)
+    from load_rate import ceilings
 
-    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.startswith("slab-")]
-    out = {}
-    for backend in ("uring", "threads"):
-        q = open_queue(backend)
-        buf = aligned_buffer(64 * segment)
-        q.register_buffers([buf])
-        total, t = 0, 0.0
-        for path in files:
-            fd = q.open_file(path)
-            size = os.fstat(fd).st_size // segment * segment
-            reqs = [IORequest(fd, off, buf, (i % 64) * segment, segment) for i, off in enumerate(range(0, size, segment))]
-            t0 = time.perf_counter()
-            for i in range(0, len(reqs), 64):
-                wait_all(submit_all(q, reqs[i:i + 64]))
-            t += time.perf_counter() - t0
-            total += size
-            os.close(fd)
-        q.close()
-        out[backend + "_GBps"] = total / t / 1e9 if t else 0.0
-    return out
+    return ceilings(root, 1 << 40)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -281,6 +272,8 @@ def main() -> None:
     ap.add_argument("--drop-caches", action="store_true", default=True)
     ap.add_argument("--kernel-config", action="store_true", default=True)
     ap.add_argument("--timeout", type=int, default=170)
+    ap.add_argument("--geometry", default="8b", choices=("8b", "70b"))
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode measurements")
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
     from tutti.engine.config import parse_bytes
@@ -291,7 +284,7 @@ def main() -> None:
         return
     os.makedirs(a.out, exist_ok=True)
     if not a.model:
-        a.model = make_model(os.path.join(a.out, "model"), a.tiny)
+        a.model = make_model(os.path.join(a.out, "model"), a.tiny, a.geometry)
     for d in (a.disk_root, a.shm_root, a.example_root):
         shutil.rmtree(d, ignore_errors=True)
     results = []
@@ -301,7 +294,8 @@ def main() -> None:
                "--capacity", a.capacity, "--staging", a.staging, "--gpu-mem", str(a.gpu_mem), "--decode-batch", str(a.decode_batch),
                "--decode-prompt", str(a.decode_prompt), "--decode-tokens", str(a.decode_tokens),
                "--idle-batch", str(a.idle_batch), "--idle-prompt", str(a.idle_prompt),
-               "--idle-tokens", str(a.idle_tokens)] + (["--eager"] if a.eager else [])
+               "--idle-tokens", str(a.idle_tokens)] + (["--eager"] if a.eager else []) + \
+              (["--no-decode"] if a.no_decode else [])
         t0 = time.time()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
@@ -346,6 +340,7 @@ def summarize(results: list[dict], ceil: dict, a) -> dict:
     ok = {r["case"]: r for r in results if "error" not in r}
     ref = ok.get("recompute")
     mode = "eager (enforce_eager=True)" if a.eager else "default (torch.compile + CUDA graphs)"
+    mode += f"; KV geometry {a.geometry}"
     rows = []
     md = [f"vLLM mode: {mode}. Ratios: to the no-connector case (recompute) of this run.", "",
           "| prompt tokens | case | first prefill (s) | x | hit (s) | x | later hit (s) | first hit / later | "
@@ -368,6 +363,8 @@ def summarize(results: list[dict], ceil: dict, a) -> dict:
     md += ["", "| case | decode ms/token idle | x | decode ms/token while storing | x | cudagraph mode |",
            "|---|---|---|---|---|---|"]
     for case, r in ok.items():
+        if "decode_idle_ms" not in r:
+            continue
         md.append(f"| {case} | {r['decode_idle_ms']:.2f} | {_ratio(r['decode_idle_ms'], ref and ref['decode_idle_ms'])} | "
                   f"{r['decode_itl_ms']:.2f} | {_ratio(r['decode_itl_ms'], ref and ref['decode_itl_ms'])} | "
                   f"{r.get('cudagraph_mode')} |")
@@ -377,9 +374,12 @@ def summarize(results: list[dict], ceil: dict, a) -> dict:
             t = ok[case]["tutti"]
             gbps = t["bytes_loaded"] / t["load_seconds"] / 1e9 if t["load_seconds"] else 0.0
             c = ceil.get("disk" if case == "tutti_disk" else "shm", {})
-            md.append(f"- {case}: pipeline load {gbps:.2f} GB/s (bytes loaded / seconds from step start to last layer); "
-                      f"storage ceiling io_uring {c.get('uring_GBps', float('nan')):.2f} GB/s, threads "
-                      f"{c.get('threads_GBps', float('nan')):.2f} GB/s; backend {t.get('backend')}, kernel {t.get('kernel')}; "
+            md.append(f"- {case}: pipeline load {gbps:.2f} GB/s (bytes loaded / host seconds from step start to last "
+                      f"layer); ceilings of this run: reads threads {c.get('read_threads_GBps', float('nan')):.2f} GB/s, "
+                      f"io_uring {c.get('read_uring_GBps', float('nan')):.2f} GB/s, pinned host-to-device "
+                      f"{c.get('h2d_pinned_GBps', float('nan')):.2f} GB/s, from a registered tmpfs mapping "
+                      f"{c.get('h2d_mapped_GBps', float('nan')):.2f} GB/s; backend {t.get('backend')}, kernel {t.get('kernel')}; "
+                      f"mapped loads {t.get('mapped_loads')} ({t.get('mapped_bytes', 0) / 2**30:.2f} GiB mapped at start); "
                       f"kernels warmed up in {t.get('warmup_s', 0):.2f} s at start-up; steps without hooks (FULL "
                       f"graphs) with loads/stores {t.get('whole_steps')}; stores committed {t['stores_committed']}, "
                       f"skipped {t['stores_skipped']}, failed {t['stores_failed']}, load failures {t['loads_failed']}")

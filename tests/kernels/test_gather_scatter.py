@@ -38,19 +38,23 @@ def test_triton_quick_suite():
     assert report.num_cases >= 30
 
 
-@pytest.mark.parametrize("max_programs,group", [(1, None), (3, None), (3, 1), (None, 1), (2, 4)])
-def test_grid_cap_covers_all_work(max_programs, group):
-    """Persistent loop over work items (grid cap) and both item-grouping paths of the kernel."""
+@pytest.mark.parametrize("max_programs,group,split", [(1, None, None), (3, None, None), (3, 1, None), (None, 1, None),
+                                                      (2, 4, None), (None, 1, 3), (4, 2, 2), (None, None, 64)])
+def test_grid_cap_covers_all_work(max_programs, group, split):
+    """Persistent loop over work items (grid cap), both item-grouping paths of the kernel, and
+    tiles of a group split over programs (what compiled launches do by default)."""
     case = C.make_case("kv_outer", torch.float16, 16, num_blocks=10)
     ids = torch.tensor([[1, 9, 4], [0, 2, 7]])
     S = case.layout.segment_bytes(48)
     want = C.expected_segments(case, ids, 1, S)
     out = torch.full((2, 2, S), 7, dtype=torch.uint8)
-    triton_kernels.gather(case.caches, case.layout, ids, out, max_programs=max_programs, block=128, group=group)
+    triton_kernels.gather(case.caches, case.layout, ids, out, max_programs=max_programs, block=128, group=group,
+                          split=split)
     assert torch.equal(out, want)
     dst = C.make_case("kv_outer", torch.float16, 16, num_blocks=10, seed=5)
     before = C.storage_bytes(dst)[0].clone()
-    triton_kernels.scatter(dst.caches, dst.layout, ids, out, max_programs=max_programs, group=group)
+    triton_kernels.scatter(dst.caches, dst.layout, ids, out, max_programs=max_programs, group=group, block=128,
+                           split=split)
     back = torch.empty_like(out)
     K.gather(dst.caches, dst.layout, ids, back, variant="torch")
     assert torch.equal(back, want)

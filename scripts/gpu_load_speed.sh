@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# On the lent H200 (carry .gpu): the worker tests on CUDA (mapped loads registered for DMA
+# included), the kernel launch sweep against copy_, and the pipeline load rate against the
+# machine's ceilings, each written under $OUT as it finishes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash .gpu/setup.sh >/dev/null && . .gpu/env.sh && unset TRITON_INTERPRET
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_worker.py \
+  tests/kernels/test_gather_scatter.py -k "cuda or grid_cap or quick" -x > "$OUT/tests.txt" 2>&1; echo "tests rc=$?"
+tail -3 "$OUT/tests.txt"
+timeout 220 python3 bench/kernel_sweep.py --out "$OUT/kernel_sweep.json" > "$OUT/kernel_sweep.txt" 2>&1; echo "sweep rc=$?"
+cat "$OUT/kernel_sweep.txt" | tail -5
+timeout 200 python3 bench/load_rate.py --out "$OUT/load_rate.json" ${LOAD_ARGS:-} > "$OUT/load_rate.txt" 2>&1; echo "load rc=$?"
+tail -30 "$OUT/load_rate.txt"
