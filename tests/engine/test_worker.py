@@ -278,14 +278,17 @@ def test_a_chunk_is_written_with_one_request(tmp_path):
     w.close()
 
 
-def test_whole_step_loads_finish_before_the_forward(tmp_path):
+@pytest.mark.parametrize("mapped", [False, True], ids=["file", "mapped"])
+def test_whole_step_loads_finish_before_the_forward(tmp_path, mapped):
     """A step without per-layer hooks (a FULL CUDA graph) gets every layer at start_step."""
     src = make_caches(0)
     store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])
     dst = make_caches(1)
-    w = worker(tmp_path, dst)
+    w = worker(tmp_path, dst, mapped_loads=mapped)
     loads = [LoadChunk("q", bytes([0]) * 32, 1, (8, 9)), LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]
     w.start_step(StepPlan(2, loads=loads), layerwise=False)
+    if DEV == "cuda":
+        torch.cuda.current_stream().synchronize()  # what the forward's kernels would wait for
     for s, d in zip(src, dst):  # before any hook
         assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
     w.end_step()
@@ -293,11 +296,12 @@ def test_whole_step_loads_finish_before_the_forward(tmp_path):
     w.close()
 
 
-def test_loads_the_forward_did_not_wait_for_are_failed(tmp_path):
+@pytest.mark.parametrize("mapped", [False, True], ids=["file", "mapped"])
+def test_loads_the_forward_did_not_wait_for_are_failed(tmp_path, mapped):
     """Layer-wise loads whose hooks never ran (the forward computed without them) are never served."""
     src = make_caches(0)
     store_chunks(tmp_path, src, [(1, [0, 1])])
-    w = worker(tmp_path, make_caches(1))
+    w = worker(tmp_path, make_caches(1), mapped_loads=mapped)
     w.start_step(StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 1, (8, 9))]))
     w.end_step()  # no wait_layer: as if a graph replayed the forward
     assert w.take_failed_blocks() == {8, 9}

@@ -66,6 +66,9 @@ class LoadPipeline:
         self._failed_keys: set[bytes] = set()
         self._failed_blocks: set[int] = set()
         self._stragglers: list[tuple[_Item, object]] = []  # (item, event) of reads that missed their deadline
+        self._mapped_ready: object = None  # CUDA event: the chunk-major loads from mapped slabs are scattered
+        self._mapped_pending = False  # chunk-major loads issued that no wait_layer has waited for yet
+        self._mapped_count = 0  # the first loads of the step went chunk-major
         self._t0 = 0.0
         self.trace: list[tuple[str, int, float]] | None = None
 
@@ -76,6 +79,7 @@ class LoadPipeline:
         self._items, self._loads, self._sums = [], [], []
         self._next_submit = self._next_process = 0
         self._layer_events = {}
+        self._mapped_ready, self._mapped_pending, self._mapped_count = None, False, 0
         if loads:
             self.journal.new_step()
         for ld in loads:
@@ -95,19 +99,107 @@ class LoadPipeline:
         if ctx.cfg.verify_checksums and ctx.mac is None:  # keyed tags are checked on the host instead
             with self._on_stream():
                 self._bad = torch.zeros((len(self._loads), ctx.num_layers), dtype=torch.bool, device=ctx.device)
+        first = self._load_mapped() if self.maps else 0
         for layer in range(ctx.num_layers):
-            for i in range(0, len(self._loads), self.per_slot):
+            for i in range(first, len(self._loads), self.per_slot):
                 self._items.append(_Item(layer, i, self._loads[i:i + self.per_slot]))
         if layerwise:
             self._pump(ctx.cfg.lookahead - 1)
         else:
             self.wait_layer(ctx.num_layers - 1)
 
+    # ---------------------------------------------------------------- mapped slabs, chunk-major
+    def _load_mapped(self) -> int:
+        """RAM roots: every chunk whose slab is mapped goes to the device as ONE copy of all its
+        layers (a DMA from the page cache on CUDA), grouped into the whole load ring, then one
+        checksum launch and one scatter launch for every layer of the group. The step's mapped
+        chunks are moved to the front of the step's loads; returns how many there are. Their KV
+        is complete only when all of them are: every layer waits on one event."""
+        ctx = self.ctx
+        cb = ctx.chunk_bytes
+        views = []
+        for ld in self._loads:
+            try:
+                views.append(ctx.store.mapped(ld.slot, 0, cb))
+            except (OSError, ValueError, RuntimeError):
+                views.append(None)  # the file path reports what is wrong
+        order = [i for i, v in enumerate(views) if v is not None]
+        if not order:
+            return 0
+        span = self.ring.slot_bytes * len(self.ring)
+        per_group = span // cb
+        if per_group == 0 or (slots := self.ring.acquire_all()) is None:
+            return 0  # a chunk is larger than the load ring, or reads of an earlier step still hold it
+        rest = [i for i, v in enumerate(views) if v is None]
+        self._loads = [self._loads[i] for i in order + rest]
+        self._sums = [self._sums[i] for i in order + rest]
+        views = [views[i] for i in order]
+        buf = self.ring.device_buffer if ctx.cuda else self.ring.buffer
+        L, seg = ctx.num_layers, ctx.seg
+        with self._on_stream():
+            for g in range(0, len(views), per_group):
+                self._load_group(buf, g, views[g:g + per_group])
+            ev = None
+            if ctx.cuda:
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+        for slot in slots:
+            self.ring.release(slot, ev)
+        self._mapped_ready, self._mapped_pending, self._mapped_count = ev, True, len(views)
+        return len(views)
+
+    def _load_group(self, buf: torch.Tensor, first: int, views: list[torch.Tensor]) -> None:
+        ctx = self.ctx
+        L, seg, cb, n = ctx.num_layers, ctx.seg, ctx.chunk_bytes, len(views)
+        loads = self._loads[first:first + n]
+        good = []
+        for i, (ld, view) in enumerate(zip(loads, views)):
+            if ld.key in self._failed_keys:
+                continue
+            if ctx.mac is not None and not self._tags_match(ld, self._sums[first + i], view):
+                continue
+            buf[i * cb:(i + 1) * cb].copy_(view, non_blocking=ctx.cuda)
+            good.append(i)
+        if not good:
+            return
+        chunks = buf[: n * cb].view(n, L, seg)
+        if self._bad is not None:
+            with nvtx_range("verify", 0):
+                want = ctx.index([as_signed64(x) for i in range(n) for x in self._sums[first + i]]).view(n, L)
+                bad = self._bad[first:first + n]
+                torch.logical_or(bad, ctx.checksum(chunks.view(n * L, seg)).view(n, L) != want, out=bad)
+        with nvtx_range("scatter", 0):
+            full = [i for i in good if loads[i].skip_blocks == 0]
+            if full:
+                rows = chunks if len(full) == n else chunks.index_select(0, ctx.index(full))
+                ctx.scatter(ctx.caches, [loads[i].block_ids for i in full], rows.transpose(0, 1))
+            for i in good:
+                if loads[i].skip_blocks:
+                    for layer in range(L):
+                        self._scatter_partial(layer, chunks[i, layer], loads[i])
+        self.counters.add(bytes_loaded=len(good) * L * seg)
+
+    def _tags_match(self, ld: LoadChunk, sums: tuple[int, ...], view: torch.Tensor) -> bool:
+        """With a secret: every layer's keyed tag, on the host, before anything is copied."""
+        ctx, seg = self.ctx, self.ctx.seg
+        data = view.numpy()
+        with nvtx_range("verify", 0):
+            for layer in range(ctx.num_layers):
+                if ctx.mac.tag(ld.key, layer, data[layer * seg:(layer + 1) * seg]) != sums[layer]:
+                    self._fail(ld, f"keyed tag mismatch in layer {layer}: not written by a holder of the secret")
+                    self.forget(ld)
+                    return False
+        return True
+
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.ctx.cuda else nullcontext()
 
     def wait_layer(self, layer: int) -> None:
         """Before layer `layer` computes: its KV is in the cache (or its blocks marked failed)."""
+        if self._mapped_pending:
+            self._mapped_pending = False
+            if self._mapped_ready is not None:
+                torch.cuda.current_stream(self.ctx.device).wait_event(self._mapped_ready)
         if not self._items:
             return
         with nvtx_range("load_wait", layer):
@@ -132,11 +224,11 @@ class LoadPipeline:
         """End of the step. Loads the forward pass did not wait for are failed, never served: a
         step whose per-layer hooks did not run (a CUDA graph replayed without them) computed
         without their KV."""
-        if not self._items:
+        if not self._loads:
             return
-        unawaited = self._next_process < len(self._items)
+        unawaited = self._next_process < len(self._items) or self._mapped_pending
         if unawaited:
-            n_layers = len({it.layer for it in self._items[self._next_process:]})
+            n_layers = len({it.layer for it in self._items[self._next_process:]}) or self.ctx.num_layers
             self.wait_layer(self.ctx.num_layers - 1)  # finish the IO so the slots come back
             log.warning("tutti: %d layers of %d loads were not awaited by the forward pass (no per-layer "
                         "hook ran for them); vLLM recomputes them", n_layers, len(self._loads))

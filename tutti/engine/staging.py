@@ -35,6 +35,7 @@ class StagingRing:
         dev_buf = None
         if device is not None and device.type == "cuda":
             dev_buf = torch.empty(n * slot_bytes, dtype=torch.uint8, device=device)
+        self.device_buffer = dev_buf  # every slot's device twin, in slot order
         self.slots = [
             StagingSlot(i, i * slot_bytes, buffer[i * slot_bytes:(i + 1) * slot_bytes],
                         None if dev_buf is None else dev_buf[i * slot_bytes:(i + 1) * slot_bytes])
@@ -78,6 +79,15 @@ class StagingRing:
         slot = self.try_acquire()
         assert slot is not None
         return slot
+
+    def acquire_all(self) -> list[StagingSlot] | None:
+        """Every slot at once (one contiguous span, for a user that needs more than a slot), or
+        None if any is held. No host wait (see try_acquire's `wait_host`)."""
+        with self._lock:
+            if len(self._free) != len(self.slots):
+                return None
+            self._free = []
+        return list(self.slots)
 
     def release(self, slot: StagingSlot, busy_until: object = None) -> None:
         slot.busy_until = busy_until
