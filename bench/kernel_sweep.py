@@ -51,11 +51,39 @@ def setup(name: str):
     return caches, layout, ids, seg, kv
 
 
+def defaults_only(a) -> None:
+    """The default launches against copy_, N interleaved rounds: the spread says how much one
+    figure of the sweep can be trusted."""
+    import statistics
+
+    out = {"device": torch.cuda.get_device_name(), "rounds": a.defaults_only, "shapes": {}}
+    for name in a.shapes.split(","):
+        caches, layout, ids, seg, kv = setup(name)
+        src = torch.empty(kv, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        rounds = {"copy": [], "gather": [], "scatter": []}
+        for _ in range(a.defaults_only):
+            rounds["copy"].append(2 * kv / bench(lambda: dst.copy_(src)) / 1e9)
+            for op, fn in (("gather", triton_kernels.gather), ("scatter", triton_kernels.scatter)):
+                rounds[op].append(2 * kv / bench(lambda: fn(caches, layout, ids, seg, id_range=(0, TOTAL - 1))) / 1e9)
+        ratios = {op: [g / c for g, c in zip(rounds[op], rounds["copy"])] for op in ("gather", "scatter")}
+        out["shapes"][name] = {"GBps": rounds, "x_copy_median": {op: statistics.median(r) for op, r in ratios.items()},
+                               "x_copy_range": {op: (min(r), max(r)) for op, r in ratios.items()}}
+        print(name, {op: round(statistics.median(r), 3) for op, r in ratios.items()},
+              {op: (round(min(r), 3), round(max(r), 3)) for op, r in ratios.items()}, flush=True)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/kernel_sweep.json")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--defaults-only", type=int, default=0, metavar="N",
+                    help="skip the sweep; time copy_ and the default launch N times, interleaved (median and range)")
     a = ap.parse_args()
+    if a.defaults_only:
+        return defaults_only(a)
     out = {"device": torch.cuda.get_device_name(), "layers": LAYERS, "moved_blocks": MOVED, "shapes": {}}
     for name in a.shapes.split(","):
         caches, layout, ids, seg, kv = setup(name)
