@@ -61,12 +61,19 @@ def defaults_only(a) -> None:
         caches, layout, ids, seg, kv = setup(name)
         src = torch.empty(kv, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        rounds = {"copy": [], "gather": [], "scatter": []}
+        variants = {"": {}}
+        for c in filter(None, a.configs.split(",")):
+            blk, warps, split = (int(x) for x in c.split(":"))
+            variants[f"[{c}]"] = dict(block=blk, num_warps=warps, split=split or None)
+        ops = [op + tag for tag in variants for op in ("gather", "scatter")]
+        rounds = {"copy": [], **{op: [] for op in ops}}
         for _ in range(a.defaults_only):
             rounds["copy"].append(2 * kv / bench(lambda: dst.copy_(src)) / 1e9)
-            for op, fn in (("gather", triton_kernels.gather), ("scatter", triton_kernels.scatter)):
-                rounds[op].append(2 * kv / bench(lambda: fn(caches, layout, ids, seg, id_range=(0, TOTAL - 1))) / 1e9)
-        ratios = {op: [g / c for g, c in zip(rounds[op], rounds["copy"])] for op in ("gather", "scatter")}
+            for tag, kw in variants.items():
+                for op, fn in (("gather", triton_kernels.gather), ("scatter", triton_kernels.scatter)):
+                    rounds[op + tag].append(2 * kv / bench(
+                        lambda: fn(caches, layout, ids, seg, id_range=(0, TOTAL - 1), **kw)) / 1e9)
+        ratios = {op: [g / c for g, c in zip(rounds[op], rounds["copy"])] for op in ops}
         out["shapes"][name] = {"GBps": rounds, "x_copy_median": {op: statistics.median(r) for op, r in ratios.items()},
                                "x_copy_range": {op: (min(r), max(r)) for op, r in ratios.items()}}
         print(name, {op: round(statistics.median(r), 3) for op, r in ratios.items()},
@@ -79,6 +86,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/kernel_sweep.json")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--configs", default="", help="with --defaults-only: also these launches, "
+                    "'block:warps:split' comma-separated (split 0 = one program per tile)")
     ap.add_argument("--defaults-only", type=int, default=0, metavar="N",
                     help="skip the sweep; time copy_ and the default launch N times, interleaved (median and range)")
     a = ap.parse_args()
