@@ -103,6 +103,21 @@ def resolve_root(raw: str, rank: int) -> str:
     return resolved
 
 
+def resolve_writer_id(value: Any) -> str:
+    """kv_connector_extra_config.writer_id: '{host}' expanded, then 1-64 of A-Z a-z 0-9 . _ -."""
+    import socket
+
+    key = "kv_connector_extra_config.writer_id"
+    if not isinstance(value, str):
+        raise ValueError(f"{key}={value!r}: expected a string such as \"{{host}}\" or \"replica-0\"")
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:48]
+    out = value.replace("{host}", host)
+    if out and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", out):
+        raise ValueError(f"{key}={value!r}: expected 1-64 of A-Z a-z 0-9 . _ - after expanding {{host}} "
+                         f"(got {out!r}); one per server sharing the store, the same across its restarts")
+    return out
+
+
 def resolve_group(value: Any) -> int:
     """kv_connector_extra_config.share_group: a group name or number this process belongs to -> its gid."""
     import grp
@@ -174,6 +189,11 @@ class EngineConfig:
     secret_env: str = ""
     # Share the store with servers of other users in this group (a name or number); needs a secret.
     share_group: str = ""
+    # This server's identity among the servers sharing the root: its files go to the namespace's
+    # `w-<writer_id>/` directory; '' = the namespace's only writer (files at its top). Every
+    # server reads every writer; `{host}` expands to the host name.
+    writer_id: str = ""
+    follow_interval_s: float = 0.25  # how often the other writers' journals are followed
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -260,6 +280,14 @@ class EngineConfig:
                     raise ValueError(f"kv_connector_extra_config.{name}={v!r}: expected a non-empty string (a path "
                                      "to a file holding the secret, or an environment variable's name)")
                 kw[name] = v
+        if "writer_id" in raw:
+            kw["writer_id"] = resolve_writer_id(raw.pop("writer_id"))
+        if "follow_interval_s" in raw:
+            v = raw.pop("follow_interval_s")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.01 <= v <= 60:
+                raise ValueError(f"kv_connector_extra_config.follow_interval_s={v!r}: expected seconds in [0.01, 60], "
+                                 "e.g. 0.25")
+            kw["follow_interval_s"] = float(v)
         if "share_group" in raw:
             v = raw.pop("share_group")
             resolve_group(v)

@@ -38,16 +38,17 @@ class _Item:
     chunks: list[LoadChunk]
     slot: StagingSlot | None = None
     futures: list[IOFuture] = field(default_factory=list)
-    pinned: list[int] = field(default_factory=list)  # store slots whose slab descriptors the reads hold
+    pinned: list[tuple[object, int]] = field(default_factory=list)  # (store, slot) whose slab descriptors reads hold
     mapped: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk index -> its segment in a mapped slab
 
 
 class LoadPipeline:
     def __init__(self, ctx: WorkerContext, ring: StagingRing, journal: JournalView, counters: Counters,
-                 forget: Callable[[LoadChunk], None]) -> None:
+                 forget: Callable[[LoadChunk], None], foreign=None) -> None:
         self.ctx = ctx
         self.ring = ring
         self.journal = journal
+        self.foreign = foreign  # tutti.engine.sharing.ForeignStores: chunks of the other writers
         self.counters = counters
         self.forget = forget  # a corrupt or unreadable chunk: journal its slot free
         self.per_slot = ring.slot_bytes // ctx.seg
@@ -82,10 +83,17 @@ class LoadPipeline:
         self._mapped_ready, self._mapped_pending, self._mapped_count = None, False, 0
         if loads:
             self.journal.new_step()
+            if self.foreign is not None:
+                self.foreign.new_step({ld.source for ld in loads if ld.source is not None})
         for ld in loads:
-            sums = self.journal.checksums(ld.slot, ld.key)
+            try:
+                sums = self._source(ld)[1].checksums(ld.slot, ld.key)
+            except (OSError, ValueError, RuntimeError) as exc:  # another writer's files, refused or gone
+                self._fail(ld, f"writer {ld.source!r} cannot be read: {exc}")
+                continue
             if sums is None or len(sums) != ctx.num_layers:
-                self._fail(ld, "not in this worker's store")
+                self._fail(ld, "not in this worker's store" if ld.source is None else
+                           f"no longer held by writer {ld.source!r} (evicted or rewritten)")
             else:
                 self._loads.append(ld)
                 self._sums.append(sums)
@@ -120,7 +128,7 @@ class LoadPipeline:
         views = []
         for ld in self._loads:
             try:
-                views.append(ctx.store.mapped(ld.slot, 0, cb))
+                views.append(self._source(ld)[0].mapped(ld.slot, 0, cb))
             except (OSError, ValueError, RuntimeError):
                 views.append(None)  # the file path reports what is wrong
         order = [i for i, v in enumerate(views) if v is not None]
@@ -190,6 +198,14 @@ class LoadPipeline:
                     self.forget(ld)
                     return False
         return True
+
+    def _source(self, ld: LoadChunk) -> tuple[object, JournalView]:
+        """(store, journal view) holding `ld`: ours, or another writer's (opened read-only)."""
+        if ld.source is None:
+            return self.ctx.store, self.journal
+        if self.foreign is None:
+            raise RuntimeError("this worker reads no other writers")
+        return self.foreign.get(ld.source)
 
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.ctx.cuda else nullcontext()
@@ -294,11 +310,12 @@ class LoadPipeline:
                         continue
                     self.ring.wait_host(slot)  # this one goes through the host buffer
                 try:
-                    fd, off = ctx.store.acquire(ld.slot, item.layer)
+                    store = self._source(ld)[0]
+                    fd, off = store.acquire(ld.slot, item.layer)
                 except (OSError, ValueError, RuntimeError) as exc:  # a slab missing, refused, no fd left...
                     self._fail(ld, f"cannot open its slab: {exc}")  # that chunk's blocks, never the step
                     continue
-                item.pinned.append(ld.slot)
+                item.pinned.append((store, ld.slot))
                 reqs.append(IORequest(fd, off, self.ring.buffer, slot.offset + i * ctx.seg, ctx.seg, READ, tag=i))
             with nvtx_range("read", item.layer):
                 item.futures = submit_all(ctx.queue, reqs)
@@ -308,7 +325,7 @@ class LoadPipeline:
 
     def _mapped(self, ld: LoadChunk, layer: int) -> torch.Tensor | None:
         try:
-            return self.ctx.store.mapped(ld.slot, layer)
+            return self._source(ld)[0].mapped(ld.slot, layer)
         except (OSError, ValueError, RuntimeError):
             return None  # the file path reports what is wrong
 
@@ -393,8 +410,8 @@ class LoadPipeline:
     def _done_with(self, item: _Item, ev: object) -> None:
         """Every read of `item` has landed: its staging slot and slab descriptors go back."""
         self.ring.release(item.slot, ev)
-        for s in item.pinned:
-            self.ctx.store.release(s)
+        for store, s in item.pinned:
+            store.release(s)
         item.pinned = []
 
     def _reap_stragglers(self) -> None:

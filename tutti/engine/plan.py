@@ -22,6 +22,7 @@ class LoadChunk:
     slot: int
     block_ids: tuple[int, ...]
     skip_blocks: int = 0
+    source: str | None = None  # another writer of the shared namespace that holds it (None: our own store)
 
 
 @dataclass(frozen=True)

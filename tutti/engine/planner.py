@@ -59,6 +59,7 @@ class _Request:
     finished: bool = False
     identity: Identity | None = None  # what besides token ids the KV depends on (extra keys)
     unkeyed: bool = False  # identity unknown: never stored, never served
+    hit_sources: list[tuple[str | None, int]] = field(default_factory=list)  # (writer or None, slot) per hit chunk
 
 
 @dataclass
@@ -71,7 +72,7 @@ class _Ticket:
 class Planner:
     def __init__(self, *, num_slots: int, chunk_tokens: int, block_size: int, seed: bytes,
                  num_workers: int = 1, slot_bytes: int = 0, store_decode: bool = False,
-                 num_writers: int | None = None) -> None:
+                 num_writers: int | None = None, foreign=None) -> None:
         if chunk_tokens % block_size:
             raise ValueError(
                 f"chunk_tokens={chunk_tokens}: must be a multiple of vLLM's block_size={block_size}; "
@@ -100,6 +101,10 @@ class Planner:
         self._events: list[tuple[str, list[bytes]]] = []  # ("stored"|"removed", keys)
         self._preempted: list[str] = []
         self._bad: set[bytes] = set()  # keys that failed to load, dropped once unpinned
+        # The other writers of a shared namespace (tutti.engine.sharing.ForeignIndex), or None.
+        self.foreign = foreign
+        self._foreign_loads: dict[bytes, tuple[str, int]] = {}  # in flight: key -> (writer, slot)
+        self._step_foreign: dict[int, list[bytes]] = {}
 
     # -- lookups --------------------------------------------------------------------------
     def _request(self, req_id: str, tokens: Sequence[int], identity: Identity | None = None) -> _Request:
@@ -122,7 +127,8 @@ class Planner:
         bytes of what else tokens [start, end) depend on (see tutti.engine.keys)."""
         r = self._request(req_id, tokens, identity)
         usable = (len(tokens) - 1) // self.chunk_tokens
-        hits = self.index.lookup_prefix(r.keys[:usable])
+        r.hit_sources = self._locate(r.keys[:usable])
+        hits = len(r.hit_sources)
         r.local_computed = num_computed_tokens
         r.hit_chunks = hits
         self.stats.queried_tokens += len(tokens)
@@ -132,6 +138,22 @@ class Planner:
             return 0
         self.stats.hit_tokens += hit_tokens - num_computed_tokens
         return hit_tokens - num_computed_tokens
+
+    def _locate(self, keys: Sequence[bytes]) -> list[tuple[str | None, int]]:
+        """Where each chunk of the longest stored prefix of `keys` is: (None, slot) in our own
+        store (touched: recently used), else (writer, slot) in another writer's."""
+        out: list[tuple[str | None, int]] = []
+        for key in keys:
+            slot = self.index.slot_of(key)
+            if slot is not None:
+                self.index.lookup_prefix([key])
+                out.append((None, slot))
+                continue
+            hit = self.foreign.get(key) if self.foreign is not None else None
+            if hit is None:
+                break
+            out.append(hit)
+        return out
 
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Blocks were allocated for the request; plan the loads of its external tokens."""
@@ -146,12 +168,18 @@ class Planner:
         bpc = self.blocks_per_chunk
         for c in range(first, last):
             key = r.keys[c]
-            slot = self.index.slot_of(key)
-            if slot is None:  # cannot happen between match and alloc; fail loudly if it does
+            # Where match() found it. Our own chunks are pinned from there and cannot vanish; another
+            # writer's may be evicted by its owner at any time: the worker checks it against that
+            # writer's journal and checksums, and a chunk gone meanwhile is recomputed.
+            source, slot = r.hit_sources[c] if c < len(r.hit_sources) else (None, None)
+            if source is None and self.index.slot_of(key) != slot:
                 raise RuntimeError(f"chunk {c} of request {req_id} vanished between lookup and allocation")
             skip = max(0, r.local_computed - c * self.chunk_tokens) // self.block_size
-            r.loads.append(LoadChunk(req_id, key, slot, tuple(r.block_ids[c * bpc:(c + 1) * bpc]), skip))
-            self.index.pin([key])
+            r.loads.append(LoadChunk(req_id, key, slot, tuple(r.block_ids[c * bpc:(c + 1) * bpc]), skip, source))
+            if source is None:
+                self.index.pin([key])
+            else:
+                self._foreign_loads[key] = (source, slot)
         r.next_store_chunk = max(r.next_store_chunk, last)
 
     # -- per step -------------------------------------------------------------------------
@@ -194,6 +222,7 @@ class Planner:
         top of `computed_before[req]`."""
         plan = StepPlan(step=next(self._steps))
         pins: list[bytes] = []
+        foreign_keys: list[bytes] = []
         want: list[tuple[_Request, int]] = []
         for req_id, n_sched in scheduled.items():
             r = self._reqs.get(req_id)
@@ -201,7 +230,8 @@ class Planner:
                 continue
             if r.loads:
                 plan.loads.extend(r.loads)
-                pins.extend(ld.key for ld in r.loads)
+                pins.extend(ld.key for ld in r.loads if ld.source is None)
+                foreign_keys.extend(ld.key for ld in r.loads if ld.source is not None)
                 r.loads = []
             done_tokens = computed_before.get(req_id, 0) + n_sched
             limit = min(done_tokens, len(r.tokens)) // self.chunk_tokens
@@ -211,7 +241,9 @@ class Planner:
             r.next_store_chunk = max(r.next_store_chunk, limit)
         if want:
             keys = [r.keys[c] for r, c in want]
-            fresh = [k for k in keys if k not in self.index and not self.index.is_pending(k)]
+            # never stored twice: not if we hold it, are storing it, or another writer holds it
+            fresh = [k for k in keys if k not in self.index and not self.index.is_pending(k)
+                     and not (self.foreign is not None and k in self.foreign)]
             for k in keys:
                 if k in self.index:
                     self.index.lookup_prefix([k])  # touch: recently used again
@@ -233,6 +265,8 @@ class Planner:
                 self.stats.stores_planned += 1
         if pins:
             self._step_pins[plan.step] = pins
+        if foreign_keys:
+            self._step_foreign[plan.step] = foreign_keys
         plan.preempted, self._preempted = self._preempted, []
         return plan
 
@@ -247,7 +281,8 @@ class Planner:
         if r is None:
             return
         for ld in r.loads:
-            self.index.unpin([ld.key])
+            if ld.source is None:
+                self.index.unpin([ld.key])
         r.loads = []
         r.block_ids = []
         r.hit_chunks = 0
@@ -260,7 +295,8 @@ class Planner:
         if r is None:
             return False
         for ld in r.loads:  # planned but never sent (aborted before its step)
-            self.index.unpin([ld.key])
+            if ld.source is None:
+                self.index.unpin([ld.key])
         return r.had_stores
 
     # -- reports --------------------------------------------------------------------------
@@ -287,6 +323,10 @@ class Planner:
                     self._events.append(("stored", [tk.key]))
         for key in set(report.load_failed):
             s.loads_failed += 1
+            where = self._foreign_loads.pop(key, None)
+            if where is not None and self.foreign is not None:
+                self.foreign.failed(key, *where)  # not served from there again; its owner decides the rest
+                continue
             # A chunk that failed to load is not trusted again: drop it once unpinned.
             self._bad.add(key)
         for step in report.steps_done:
@@ -294,6 +334,8 @@ class Planner:
             if n >= self.num_workers:
                 self._step_done_count.pop(step, None)
                 self.index.unpin(self._step_pins.pop(step, []))
+                for key in self._step_foreign.pop(step, []):
+                    self._foreign_loads.pop(key, None)
             else:
                 self._step_done_count[step] = n
         for key in list(self._bad):

@@ -196,7 +196,8 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
         try:
             store = ChunkStore(list(rcfg.roots), geom.for_rank(tp, pp).fingerprint(),
                                capacity_bytes=cfg.capacity_bytes, writer=False,
-                               slots_per_slab=cfg.slots_per_slab, access=store_access(cfg))
+                               slots_per_slab=cfg.slots_per_slab, access=store_access(cfg),
+                               writer_id=cfg.writer_id)
         except FileNotFoundError:
             per_rank.append({})
             continue
@@ -205,7 +206,29 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
         finally:
             store.close()
     planner.rebuild(rebuild_entries(per_rank))
+    planner.foreign = _foreign_index(raw_config, cfg, geom)
     return planner
+
+
+def _foreign_index(raw_config: Mapping[str, Any], cfg: EngineConfig, geom: Geometry):
+    """The scheduler's view of the other writers of the namespace (every store rank)."""
+    from tutti.engine.sharing import FOREIGN_CAPACITY, ForeignIndex
+    from tutti.io.store import ChunkStore, list_writers
+
+    ranks = list(geom.store_ranks)
+    rank_cfgs = [EngineConfig.from_dict(raw_config, rank=rank) for _, _, rank in ranks]
+    tp0, pp0, _ = ranks[0]
+
+    def writers() -> list[str]:
+        return list_writers(rank_cfgs[0].roots[0], geom.for_rank(tp0, pp0).fingerprint())
+
+    def open_reader(i: int, writer: str):
+        tp, pp, _ = ranks[i]
+        return ChunkStore(list(rank_cfgs[i].roots), geom.for_rank(tp, pp).fingerprint(),
+                          capacity_bytes=FOREIGN_CAPACITY, writer=False, access=store_access(cfg), writer_id=writer)
+
+    return ForeignIndex(own_id=cfg.writer_id, num_ranks=len(ranks), list_writers=writers, open_reader=open_reader,
+                        interval_s=cfg.follow_interval_s)
 
 
 def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Sequence[torch.Tensor], layout,
@@ -242,17 +265,25 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
     if geom.writes:
         store = ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
                            slots_per_slab=cfg.slots_per_slab, open_file=open_file, access=access,
-                           max_open_slabs=cfg.max_open_slabs, map_ram=maps)
+                           max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=cfg.writer_id)
+        store_roots = list(cfg.roots)
     else:  # read the writer rank's namespace, under the writer rank's roots
         wcfg = EngineConfig.from_dict(raw_config, rank=rank - geom.tp_rank + geom.store_tp_rank)
+        store_roots = list(wcfg.roots)
         store = ReplicaReader(list(wcfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes,
                               slots_per_slab=cfg.slots_per_slab, open_file=open_file, access=access,
-                           max_open_slabs=cfg.max_open_slabs, map_ram=maps)
+                           max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=cfg.writer_id)
+    from tutti.engine.sharing import FOREIGN_CAPACITY, ForeignStores
+
+    fingerprint = geom.fingerprint()
+    foreign = ForeignStores(lambda writer: ChunkStore(
+        store_roots, fingerprint, capacity_bytes=FOREIGN_CAPACITY, writer=False, open_file=open_file, access=access,
+        max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=writer))
     try:
         return WorkerPipeline(cfg, caches=caches, layout=layout, store=store, io_queue=q, kernel=kernel,
                               checksum=segment_checksum, segment_bytes=geom.segment_bytes,
                               chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block,
-                              writes=geom.writes, mac=mac)
+                              writes=geom.writes, mac=mac, foreign=foreign)
     except Exception:
         store.close()
         q.close()
@@ -267,12 +298,13 @@ class ReplicaReader:
     """
 
     def __init__(self, roots: list[str], fingerprint, *, capacity_bytes: int, slots_per_slab: int | None,
-                 open_file, access=None, max_open_slabs: int = 256, map_ram: bool = False) -> None:
+                 open_file, access=None, max_open_slabs: int = 256, map_ram: bool = False,
+                 writer_id: str = "") -> None:
         from tutti.io.safefs import PRIVATE
 
         self._args = dict(capacity_bytes=capacity_bytes, writer=False, slots_per_slab=slots_per_slab,
                           open_file=open_file, access=access or PRIVATE, max_open_slabs=max_open_slabs,
-                          map_ram=map_ram)
+                          map_ram=map_ram, writer_id=writer_id)
         self._roots, self.fingerprint = roots, fingerprint
         self._store = None
         self._open()

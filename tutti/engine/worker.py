@@ -37,7 +37,7 @@ class WorkerPipeline:
     def __init__(self, cfg: EngineConfig, *, caches: Sequence[torch.Tensor], layout, store, io_queue: IOQueue,
                  kernel, checksum: Callable[[torch.Tensor], torch.Tensor], segment_bytes: int,
                  chunk_tokens: int, kernel_blocks_per_block: int = 1, staging: torch.Tensor | None = None,
-                 writes: bool = True, mac=None) -> None:
+                 writes: bool = True, mac=None, foreign=None) -> None:
         self.cfg = cfg
         self.ctx = WorkerContext(cfg, list(caches), layout, store, io_queue, kernel, checksum, segment_bytes,
                                  chunk_tokens, kernel_blocks_per_block, writes, mac)
@@ -61,7 +61,8 @@ class WorkerPipeline:
         self.counters = Counters()
         self.journal = JournalView(store, follows_writer=not writes)
         self.writer = Writer()
-        self.loads = LoadPipeline(self.ctx, ring, self.journal, self.counters, self._forget)
+        self.foreign = foreign  # tutti.engine.sharing.ForeignStores (other writers of the namespace)
+        self.loads = LoadPipeline(self.ctx, ring, self.journal, self.counters, self._forget, foreign)
         self.stores = StorePipeline(self.ctx, arena, self.journal, self.counters, self.writer)
         self._plan: StepPlan | None = None
         self._layerwise = True
@@ -151,7 +152,10 @@ class WorkerPipeline:
         return self.loads.take_failed_blocks()
 
     def _forget(self, ld: LoadChunk) -> None:
-        """A corrupt chunk is journaled as free (off the hot path), so no restart serves it again."""
+        """A corrupt chunk is journaled as free (off the hot path), so no restart serves it again.
+        Another writer's chunk is never touched: its owner finds it corrupt when it loads it."""
+        if ld.source is not None:
+            return
         self.journal.drop(ld.slot, ld.key)
         if not self.ctx.writes:
             return  # the writer reads the same bytes, finds them corrupt too and journals the slot free
@@ -223,3 +227,5 @@ class WorkerPipeline:
         self.writer.close()
         self.queue.close()
         self.store.close()
+        if self.foreign is not None:
+            self.foreign.close()

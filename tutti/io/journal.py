@@ -226,8 +226,8 @@ class _Replay:
                 return hit
             off = hit + 1
 
-    def run(self) -> "_Replay":
-        pos = 0
+    def run(self, start: int = 0) -> "_Replay":
+        pos = self.end = start
         while pos < self.w.size:
             reason, end, rtype, length = self._frame_at(pos)
             if reason is None:
@@ -495,6 +495,7 @@ class Journal:
         self.dropped_tail_bytes = 0  # torn/garbled bytes ignored at the last replay
         self.skipped_records = 0  # invalid or damaged records skipped at the last replay
         self.skipped_details: list[tuple[int, str]] = []  # (byte offset, reason) of the first few of them
+        self.followed_bytes = 0  # bytes the last follow() read
         self._warned: set[tuple[int | None, int]] = set()  # (inode, offset) of skipped records logged
         if writer:
             self._open_writer()
@@ -564,6 +565,55 @@ class Journal:
             st = os.fstat(fd)
             self._seen = _signature(st)
             self._replay(fd, st.st_size)
+        finally:
+            os.close(fd)
+
+    def follow(self) -> bool:
+        """Reader: catch up with a live writer reading only what it appended since the last
+        replay (from the end of the last whole record: a torn tail is read again), when the file
+        is the same one and did not shrink below that; anything else (compacted, replaced) is a
+        full replay. Returns whether anything changed; `followed_bytes` says what was read."""
+        if self.writer:
+            raise RuntimeError("Journal.follow: a writer's state is already current")
+        try:
+            fd = self._open(os.O_RDONLY)
+        except FileNotFoundError:
+            self.followed_bytes = 0
+            if self._seen is not None or self.entries:
+                self._seen = None
+                self._replay(None, 0)
+                return True
+            return False
+        try:
+            st = os.fstat(fd)
+            sig = _signature(st)
+            self.followed_bytes = 0
+            if sig == self._seen:
+                return False
+            if self._seen is None or st.st_ino != self._seen[0] or st.st_size < self._durable:
+                self._seen = sig
+                self._replay(fd, st.st_size)
+                self.followed_bytes = st.st_size
+                return True
+            start = self._durable
+            window = _Window(_pread_reader(fd), st.st_size, _next_data(fd))
+
+            def warn(pos: int, reason: str) -> None:
+                if (st.st_ino, pos) not in self._warned and len(self._warned) < 64 * MAX_SKIP_DETAILS:
+                    self._warned.add((st.st_ino, pos))
+                    _warn_skip(repr(self.path), pos, reason)
+
+            r = _Replay(window, expected_checksums=self.expected_checksums, max_slot=self.max_slot, warn=warn,
+                        state=self.entries)
+            r.live = self._live
+            r.run(start)
+            self._seen = sig
+            self.live_bytes = sum(r.live.values())
+            self._durable = r.end
+            self.dropped_tail_bytes = r.tail
+            self.skipped_records += r.skipped
+            self.followed_bytes = st.st_size - start
+            return True
         finally:
             os.close(fd)
 

@@ -26,6 +26,7 @@ import fcntl
 import json
 import mmap
 import os
+import re
 import stat
 import threading
 from collections import OrderedDict
@@ -46,6 +47,7 @@ __all__ = [
     "StoreRootError",
     "StoreStats",
     "list_namespaces",
+    "list_writers",
     "namespace_dir",
 ]
 
@@ -57,6 +59,8 @@ LOCK = "LOCK"
 JOURNAL = "journal.bin"
 DEFAULT_SLOTS_PER_SLAB = 64
 DEFAULT_MAX_OPEN_SLABS = 256
+WRITER_PREFIX = "w-"
+_WRITER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _ZERO_BYTES = 1 << 20
 
 
@@ -143,6 +147,7 @@ class ChunkStore:
         access: Access = PRIVATE,
         max_open_slabs: int = DEFAULT_MAX_OPEN_SLABS,
         map_ram: bool = False,
+        writer_id: str = "",
     ) -> None:
         # ---- argument checks, before any IO ----
         if not isinstance(access, Access):
@@ -177,7 +182,15 @@ class ChunkStore:
             )
         self._open_file = open_file
         self.access = access
-        self.namespaces = tuple(os.path.join(r, NAMESPACE_PREFIX + self.digest) for r in roots)
+        if not isinstance(writer_id, str) or (writer_id and not _WRITER_ID.fullmatch(writer_id)):
+            raise ValueError(f"writer_id={writer_id!r}: expected '' (the namespace's only writer) or 1-64 of "
+                             "A-Z a-z 0-9 . _ - (one per server sharing the store, stable across its restarts)")
+        self.writer_id = writer_id
+        # A writer's files live in its own directory of the namespace: `w-<writer_id>/` when
+        # servers share it, the namespace directory itself for the only writer (writer_id '').
+        self.namespaces = tuple(os.path.join(r, NAMESPACE_PREFIX + self.digest, *([WRITER_PREFIX + writer_id]
+                                                                                 if writer_id else []))
+                                for r in roots)
         self._lock_fds: list[int] = []
         self._root_fds: list[int | None] = [None] * len(roots)
         self._ns_fds: list[int | None] = [None] * len(roots)  # every store file is opened relative to these
@@ -268,32 +281,47 @@ class ChunkStore:
         except UnsafeFileError:
             raise StoreRootError(f"store root {root!r} is a symbolic link; pass the directory it points to "
                                  f"({os.path.realpath(root)!r})") from None
-        name = os.path.basename(ns)
+        top = os.path.join(root, NAMESPACE_PREFIX + self.digest)
+        fd = self._child_dir(self._root_fds[i], top, need)
+        if fd is None or not self.writer_id:
+            self._ns_fds[i] = fd
+            return fd is not None
+        try:  # this writer's own directory inside the shared namespace
+            self._ns_fds[i] = self._child_dir(fd, ns, need)
+        finally:
+            os.close(fd)
+        return self._ns_fds[i] is not None
+
+    def _child_dir(self, parent_fd: int, path: str, need: int) -> int | None:
+        """Open directory `path` (its basename under `parent_fd`), creating it for a writer;
+        None for a reader when it does not exist yet. Never through a link; checked like any
+        store directory."""
+        name = os.path.basename(path)
         try:
-            st = os.stat(name, dir_fd=self._root_fds[i], follow_symlinks=False)
+            st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
         except FileNotFoundError:
             st = None
         if st is None and not self.writer:
-            return False
+            return None
         if st is not None and stat.S_ISLNK(st.st_mode):
-            raise UnsafeFileError(errno.ELOOP, f"namespace {ns!r}: refused, a symbolic link (to "
-                                  f"{os.readlink(name, dir_fd=self._root_fds[i])!r}); tutti never follows links "
-                                  "inside a store; remove it", ns)
+            raise UnsafeFileError(errno.ELOOP, f"namespace {path!r}: refused, a symbolic link (to "
+                                  f"{os.readlink(name, dir_fd=parent_fd)!r}); tutti never follows links "
+                                  "inside a store; remove it", path)
         if st is not None and not stat.S_ISDIR(st.st_mode):
-            raise StoreRootError(f"namespace {ns!r}: exists but is not a directory; remove that file")
+            raise StoreRootError(f"namespace {path!r}: exists but is not a directory; remove that file")
         try:
-            self._ns_fds[i] = open_dir(name, dir_fd=self._root_fds[i], create=st is None, access=self.access,
-                                       where=f"namespace {ns!r}")
+            fd = open_dir(name, dir_fd=parent_fd, create=st is None, access=self.access, where=f"namespace {path!r}")
         except UnsafeFileError:
             raise
         except OSError as exc:
-            raise StoreRootError(f"store root {root!r}: cannot create or open namespace {ns!r} ({exc.strerror}); "
+            raise StoreRootError(f"cannot create or open namespace {path!r} ({exc.strerror}); "
                                  "check free space and permissions") from exc
         if st is None:
-            os.fsync(self._root_fds[i])  # the new name must survive a crash
-        elif not os.access(ns, need):
-            raise StoreRootError(f"namespace {ns!r}: no access for uid {os.getuid()}; fix its permissions")
-        return True
+            os.fsync(parent_fd)  # the new name must survive a crash
+        elif not os.access(path, need):
+            os.close(fd)
+            raise StoreRootError(f"namespace {path!r}: no access for uid {os.getuid()}; fix its permissions")
+        return fd
 
     def _lock(self, i: int) -> None:
         path = os.path.join(self.namespaces[i], LOCK)
@@ -536,10 +564,14 @@ class ChunkStore:
         """Root r's namespace descriptor; a reader opened before the writer created the
         namespace opens it once it exists (checked like any namespace)."""
         if self._ns_fds[r] is None and self._root_fds[r] is not None:
-            name = os.path.basename(self.namespaces[r])
-            if _exists(name, self._root_fds[r]):
-                self._ns_fds[r] = open_dir(name, dir_fd=self._root_fds[r], access=self.access,
-                                           where=f"namespace {self.namespaces[r]!r}")
+            top = os.path.join(self.roots[r], NAMESPACE_PREFIX + self.digest)
+            fd = self._child_dir(self._root_fds[r], top, os.R_OK | os.X_OK)
+            if fd is not None and self.writer_id:
+                try:
+                    fd, top_fd = self._child_dir(fd, self.namespaces[r], os.R_OK | os.X_OK), fd
+                finally:
+                    os.close(top_fd)
+            self._ns_fds[r] = fd
         return self._ns_fds[r]
 
     def _open_slab(self, r: int, slab: int) -> int:
@@ -684,12 +716,13 @@ class ChunkStore:
         self._drop_out_of_range()
 
     def refresh_if_changed(self) -> bool:
-        """Reader only: replay the journal if the writer changed it since the last replay."""
+        """Reader only: catch up with the writer's journal if it changed since the last replay,
+        reading only what was appended when it only grew (Journal.follow)."""
         self._check_open()
         assert self.journal is not None
-        if self.writer or not self.journal.changed():
+        if self.writer or not self.journal.follow():
             return False
-        self.refresh()
+        self._drop_out_of_range()
         return True
 
     def stats(self) -> StoreStats:
@@ -788,6 +821,29 @@ def log_once(msg: str) -> None:
     if msg not in _logged:
         _logged.add(msg)
         logging.getLogger("tutti.io").warning(msg)
+
+
+def list_writers(root: str, fingerprint: Fingerprint) -> list[str]:
+    """Writer ids with a journal in `fingerprint`'s namespace under `root`: '' for the files at
+    the namespace's top (its only writer, before servers shared it), then each `w-<id>/`.
+    Reads only; never follows a link."""
+    top = namespace_dir(os.fspath(root), fingerprint)
+    try:
+        fd = open_dir(top, check=False, where=f"namespace {top!r}")
+    except (FileNotFoundError, NotADirectoryError, UnsafeFileError):
+        return []
+    try:
+        out = []
+        for entry in os.scandir(fd):
+            name = entry.name
+            if name == JOURNAL and entry.is_file(follow_symlinks=False):
+                out.append("")
+            elif (name.startswith(WRITER_PREFIX) and _WRITER_ID.fullmatch(name[len(WRITER_PREFIX):])
+                  and entry.is_dir(follow_symlinks=False)):
+                out.append(name[len(WRITER_PREFIX):])
+        return sorted(out)
+    finally:
+        os.close(fd)
 
 
 def _exists(name: str, dir_fd: int | None) -> bool:

@@ -85,10 +85,13 @@ class TuttiConnectorV1(KVConnectorBase_V1):
                 self._publisher = EventPublisher(
                     self._cfg.kv_events_endpoint, data_parallel_rank=dp,
                     topic=expand_topic(self._cfg.kv_events_topic, str(vllm_config.model_config.served_model_name)))
+            foreign = self._planner.foreign
             logger.debug(
                 "tutti: scheduler ready: roots=%s capacity=%d B (%d chunks of %d tokens), %d chunks resident, "
-                "events=%s", list(self._cfg.roots), self._cfg.capacity_bytes, self._planner.index.num_slots,
-                self._cfg.chunk_tokens, len(self._planner.index), self._cfg.kv_events_endpoint or "vLLM only",
+                "writer %r, %d chunks of %d other writers, events=%s", list(self._cfg.roots), self._cfg.capacity_bytes,
+                self._planner.index.num_slots, self._cfg.chunk_tokens, len(self._planner.index), self._cfg.writer_id,
+                len(foreign) if foreign else 0, len(foreign.writers) if foreign else 0,
+                self._cfg.kv_events_endpoint or "vLLM only",
             )
 
     # ------------------------------------------------------------------ properties
@@ -198,6 +201,9 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         if self._publisher is not None:
             self._publisher.shutdown()
             self._publisher = None
+        if self._planner is not None and self._planner.foreign is not None:
+            self._planner.foreign.close()  # stops following the other writers
+            self._planner.foreign = None
 
     # ================================================================== scheduler side
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -1,0 +1,147 @@
+"""Many writers on one namespace, with the real planner, worker pipeline and files: what one
+writer made durable is a hit on the others (within the follow interval) and is not stored
+again; a chunk its owner evicts or rewrites is recomputed by the reader, never served; the
+same writer id twice is refused; a writer's capacity bounds only its own files."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tutti.engine.session import build_planner, build_worker
+from tutti.io.store import StoreLockedError, list_writers
+
+from test_worker import B, L, T, geometry, make_caches, run_step, views
+from tutti.kernels import PagedLayout
+
+BPC = 2  # blocks per chunk (T tokens, N per block)
+
+
+def cfg(root, writer, **kw):
+    c = {"root": str(root), "capacity_bytes": 4 * geometry().slot_bytes, "chunk_tokens": T, "writer_id": writer,
+         "staging_bytes": 16 * 16384, "staging_slots": 16, "max_inflight_stores": 8, "lookahead": 1,
+         "follow_interval_s": 0.05}
+    c.update(kw)
+    return c
+
+
+class Server:
+    """A planner and one worker, as a vLLM server would build them."""
+
+    def __init__(self, root, writer, seed, **kw):
+        self.caches = make_caches(seed)
+        v = views(self.caches)
+        layout = PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim"))
+        self.planner = build_planner(cfg(root, writer, **kw), geometry())
+        self.worker = build_worker(cfg(root, writer, **kw), geometry(), caches=v, layout=layout)
+
+    def request(self, req, tokens, blocks):
+        """match, allocate, one step computing the rest of the prompt; returns hit tokens and failures."""
+        hit = self.planner.match(req, tokens, 0)
+        self.planner.on_alloc(req, blocks, hit)
+        plan = self.planner.build_step({req: len(tokens) - hit}, {req: hit})
+        run_step(self.worker, plan)
+        self.worker.flush()
+        failed = self.worker.take_failed_blocks()
+        self.planner.on_report(self.worker.take_report())
+        self.planner.finished(req)
+        return hit, failed, plan
+
+    def close(self):
+        self.planner.foreign.close()
+        self.worker.close()
+
+
+def prompt(seed, chunks):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1000, (chunks * T + 1,), generator=g).tolist()
+
+
+def wait_for(cond, timeout=5.0):
+    t0 = time.monotonic()
+    while not cond() and time.monotonic() - t0 < timeout:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_a_chunk_one_writer_stored_is_a_hit_on_another(tmp_path):
+    a, b = Server(tmp_path, "a", 0), Server(tmp_path, "b", 1)
+    try:
+        p = prompt(1, 2)
+        blocks_a = list(range(0, 2 * BPC + 1))
+        hit, _, plan = a.request("r1", p, blocks_a)
+        assert hit == 0 and len(plan.stores) == 2
+        assert list_writers(str(tmp_path), a.worker.store.fingerprint) == ["a", "b"]
+        t0 = time.monotonic()
+        assert wait_for(lambda: all(k in b.planner.foreign for k in (st.key for st in plan.stores)))
+        delay = time.monotonic() - t0
+        blocks_b = list(range(10, 10 + 2 * BPC + 1))
+        hit, failed, plan_b = b.request("r2", p, blocks_b)
+        assert hit == 2 * T and failed == set() and not plan_b.stores  # served from a's files, not stored again
+        assert {ld.source for ld in plan_b.loads} == {"a"}
+        for ca, cb in zip(a.caches, b.caches):
+            assert torch.equal(cb[10:10 + 2 * BPC], ca[0:2 * BPC])  # bit exact across servers
+        assert delay < 1.0
+        # b's own capacity is untouched: nothing of a's chunks lives in b's files
+        assert b.worker.store.entries() == {}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_chunk_evicted_by_its_owner_is_recomputed_by_the_reader(tmp_path):
+    a, b = Server(tmp_path, "a", 0), Server(tmp_path, "b", 1)
+    try:
+        p = prompt(2, 2)
+        _, _, plan = a.request("r1", p, list(range(0, 2 * BPC + 1)))
+        assert wait_for(lambda: all(k in b.planner.foreign for k in (st.key for st in plan.stores)))
+        # b plans its loads from a's slots; meanwhile a fills its 4-slot capacity with other
+        # prompts, evicting (and overwriting) the chunks b is about to read
+        hit = b.planner.match("r2", p, 0)
+        assert hit == 2 * T
+        b.planner.on_alloc("r2", list(range(10, 10 + 2 * BPC + 1)), hit)
+        for i in range(2):
+            a.request(f"fill{i}", prompt(100 + i, 2), list(range(0, 2 * BPC + 1)))
+        plan_b = b.planner.build_step({"r2": 1}, {"r2": hit})
+        run_step(b.worker, plan_b)
+        failed = b.worker.take_failed_blocks()
+        assert failed == set(range(10, 10 + 2 * BPC))  # every block of the evicted chunks: recomputed
+        b.planner.on_report(b.worker.take_report())
+        assert b.planner.stats.loads_failed == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_same_writer_id_twice_is_refused_and_a_restart_takes_its_files_back(tmp_path):
+    a = Server(tmp_path, "a", 0)
+    try:
+        p = prompt(3, 1)
+        a.request("r1", p, list(range(0, BPC + 1)))
+        with pytest.raises(StoreLockedError, match="already has a writer"):
+            Server(tmp_path, "a", 1)
+    finally:
+        a.close()
+    again = Server(tmp_path, "a", 2)  # a restart under the same identity: its own chunks, its own files
+    try:
+        assert len(again.planner.index) == 1 and len(again.planner.foreign) == 0
+        hit, failed, _ = again.request("r2", p, list(range(20, 20 + BPC + 1)))
+        assert hit == T and failed == set()
+    finally:
+        again.close()
+
+
+def test_the_only_writer_and_named_writers_read_each_other(tmp_path):
+    legacy = Server(tmp_path, "", 0)  # the files at the namespace's top, as before servers shared it
+    p = prompt(4, 1)
+    legacy.request("r1", p, list(range(0, BPC + 1)))
+    legacy.close()
+    b = Server(tmp_path, "b", 1)
+    try:
+        assert b.planner.foreign.writers == [""]
+        hit, failed, _ = b.request("r2", p, list(range(10, 10 + BPC + 1)))
+        assert hit == T and failed == set()
+    finally:
+        b.close()
