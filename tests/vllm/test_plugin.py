@@ -18,3 +18,18 @@ def test_entry_point_is_installed_and_registers_the_name():
     from tutti.vllm.connector import TuttiConnectorV1
 
     assert cls is TuttiConnectorV1
+
+
+def test_distribution_name_is_ours_and_owns_the_entry_point():
+    """Installed as `tutti-kv` (the package index's `tutti` is another project); the entry point
+    belongs to that distribution, and no distribution named `tutti` shadows the import package."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    dist = distribution("tutti-kv")
+    assert any(ep.group == "vllm.general_plugins" and ep.name == "tutti" for ep in dist.entry_points)
+    try:
+        distribution("tutti")
+        shadowed = True
+    except PackageNotFoundError:
+        shadowed = False
+    assert not shadowed, "a distribution named 'tutti' is installed: scripts/setup.sh removes it"
