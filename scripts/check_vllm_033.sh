@@ -20,5 +20,8 @@ with zipfile.ZipFile(glob.glob(f"{d}/vllm-0.33.0-*.whl")[0]) as z:
 PYEOF
   rm -f "$DIR"/vllm-0.33.0-*.whl
 fi
-PYTHONPATH="$DIR/site${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/check_vllm_api.py >&2
+# The verdict is the exit status of this check; the site directory is printed either way, so that
+# tests/vllm/test_api_check.py (which .ci/run points at it) fails on a mismatch instead of skipping.
+PYTHONPATH="$DIR/site${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/check_vllm_api.py >&2 || status=$?
 echo "$DIR/site"
+exit "${status:-0}"
