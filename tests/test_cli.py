@@ -31,14 +31,15 @@ def geometry() -> Geometry:
                     num_heads=H, content_bytes=2 * D * 4)
 
 
-def make_store(root: Path) -> Path:
+def make_store(root: Path, writer_id: str = "") -> Path:
     """Store three chunks of random KV through the real WorkerPipeline."""
     g = torch.Generator().manual_seed(0)
     caches = [torch.randn(B, H, N, 2 * D, generator=g) for _ in range(L)]
     views = [c.as_strided((B, H, 2, N, D), (c.stride(0), c.stride(1), N * D, D, 1)) for c in caches]
     layout = PagedLayout.from_tensor(views[0], ("block", "head", "kv", "token", "dim"))
     cfg = {"root": str(root), "capacity_bytes": 64 * geometry().slot_bytes, "chunk_tokens": T,
-           "staging_bytes": 16 * 16384, "staging_slots": 16, "max_inflight_stores": 8, "lookahead": 1}
+           "staging_bytes": 16 * 16384, "staging_slots": 16, "max_inflight_stores": 8, "lookahead": 1,
+           "writer_id": writer_id}
     w = build_worker(cfg, geometry(), caches=views, layout=layout)
     stores = [StoreChunk("r", bytes([i + 1]) * 32, slot, tuple(blocks), ticket=i + 1)
               for i, (slot, blocks) in enumerate(SLOTS.items())]
@@ -241,3 +242,26 @@ def test_demo_end_to_end(tmp_path):
     v = subprocess.run([sys.executable, "-m", "tutti", "verify", "--no-progress", str(root)],
                        capture_output=True, text=True, env=env, cwd=REPO)
     assert v.returncode == 0 and v.stdout.startswith("OK:"), v.stdout + v.stderr
+
+
+def test_inspect_and_verify_read_every_writer_of_a_shared_namespace(tmp_path, capsys):
+    """Servers sharing a root (writer ids) each have a `w-<id>/` directory: both tools read all of
+    them, and a flipped byte in one writer's slab is found in that writer's files."""
+    root = make_store(tmp_path / "kv", "a")
+    make_store(root, "b")
+    rc, out, _ = run_cli(capsys, "inspect", "--json", str(root))
+    assert rc == 0
+    nss = json.loads(out)
+    assert sorted(os.path.basename(ns["path"]) for ns in nss) == ["w-a", "w-b"] and all(ns["chunks"] == 3 for ns in nss)
+    rc, out, _ = run_cli(capsys, "verify", "--no-progress", str(root))
+    assert rc == 0 and out.startswith(f"OK: {2 * 3 * L} segments in 6 chunks of 2 namespace(s)"), out
+    fp = geometry().fingerprint()
+    with ChunkStore(str(root), fp, capacity_bytes=64 * geometry().slot_bytes, writer=False, writer_id="b") as st:
+        path, off = st.slab_path(7), st.location(7, 1)[1]
+    with open(path, "r+b") as f:
+        f.seek(off + 5)
+        b = f.read(1)
+        f.seek(off + 5)
+        f.write(bytes([b[0] ^ 1]))
+    rc, out, _ = run_cli(capsys, "verify", "--no-progress", str(root))
+    assert rc == 1 and "w-b" in out and "slot 7" in out, out

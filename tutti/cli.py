@@ -344,6 +344,8 @@ def _load_namespace(ns: StoreNamespace, root_fds: list[int], name: str) -> None:
     ns.segment_bytes, ns.num_layers = fp.segment_bytes, fp.num_layers
     for i in range(1, len(root_fds)):  # the other stripes: a namespace not created there yet is empty
         where = f"namespace {ns.namespaces[i]!r}"
+        if root_fds[i] is None:
+            continue
         try:
             ns.dir_fds[i] = _open_dir_at(name, root_fds[i], where)
         except FileNotFoundError:
@@ -390,17 +392,29 @@ def open_namespaces(roots: Sequence[str], capacity_bytes: int | None = None) -> 
                 continue
             if stat.S_ISREG(st.st_mode):
                 continue  # a file named like a namespace: not ours, not a namespace
-            out.append(ns)
-            try:
-                _load_namespace(ns, root_fds, name)
-            except FileNotFoundError:
-                ns.error = f"namespace {path!r} disappeared while reading it"
-            except _Damaged as exc:
-                ns.error = str(exc)
-            except ToolError as exc:
-                ns.tool_error = str(exc)
-            except OSError as exc:
-                ns.tool_error = str(_os_problem(f"namespace {path!r}", exc))
+            writers = _writer_dirs(name, root_fds[0], path)
+            if writers is None or writers[0] or not writers[1]:  # the top holds a writer's files, or no writer dir
+                out.append(ns)
+                _try_load(ns, root_fds, name, path)
+            for wdir in (writers or (False, []))[1]:
+                wpath = os.path.join(path, wdir)
+                wns = StoreNamespace(wpath, ns.digest, tuple(roots), namespaces=tuple(
+                    os.path.join(r, name, wdir) for r in roots))
+                out.append(wns)
+                top_fds = []
+                try:
+                    for i, rfd in enumerate(root_fds):
+                        try:
+                            top_fds.append(_open_dir_at(name, rfd, f"namespace {ns.namespaces[i]!r}"))
+                        except FileNotFoundError:
+                            top_fds.append(None)
+                    _try_load(wns, top_fds, wdir, wpath)
+                except ToolError as exc:
+                    wns.tool_error = str(exc)
+                finally:
+                    for fd in top_fds:
+                        if fd is not None:
+                            os.close(fd)
         if not out:
             raise CliError(
                 f"{roots[0]!r} is not a tutti store root: it holds no '{NAMESPACE_PREFIX}<digest>' namespace directory "
@@ -412,6 +426,45 @@ def open_namespaces(roots: Sequence[str], capacity_bytes: int | None = None) -> 
         for fd in root_fds:
             os.close(fd)
     return out
+
+
+def _writer_dirs(name: str, root_fd: int, path: str) -> tuple[bool, list[str]] | None:
+    """(whether the namespace's top holds a writer's files, its `w-<id>` writer directories), or
+    None when the namespace cannot be listed (loading it then says why)."""
+    from tutti.io.store import MANIFEST, WRITER_PREFIX
+
+    try:
+        fd = _open_dir_at(name, root_fd, f"namespace {path!r}")
+    except (OSError, ToolError):
+        return None
+    try:
+        top, dirs = False, []
+        for entry in os.scandir(fd):
+            if entry.name == MANIFEST:
+                top = True
+            elif entry.name.startswith(WRITER_PREFIX) and entry.is_dir(follow_symlinks=False):
+                dirs.append(entry.name)
+        return top, sorted(dirs)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _try_load(ns: StoreNamespace, parent_fds: list, name: str, path: str) -> None:
+    """_load_namespace, with what goes wrong recorded on `ns` (damaged or unreadable)."""
+    try:
+        if parent_fds[0] is None:
+            raise FileNotFoundError(path)
+        _load_namespace(ns, parent_fds, name)
+    except FileNotFoundError:
+        ns.error = f"namespace {path!r} disappeared while reading it"
+    except _Damaged as exc:
+        ns.error = str(exc)
+    except ToolError as exc:
+        ns.tool_error = str(exc)
+    except OSError as exc:
+        ns.tool_error = str(_os_problem(f"namespace {path!r}", exc))
 
 
 def _close_all(nss: Sequence[StoreNamespace]) -> None:
