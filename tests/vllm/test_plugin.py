@@ -33,3 +33,14 @@ def test_distribution_name_is_ours_and_owns_the_entry_point():
     except PackageNotFoundError:
         shadowed = False
     assert not shadowed, "a distribution named 'tutti' is installed: scripts/setup.sh removes it"
+
+
+def test_the_tier_type_is_registered_for_the_offloading_connector():
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    load_general_plugins()
+    from tutti.vllm.tier import TuttiTier
+
+    assert SecondaryTierFactory.get_tier_class({"type": "tutti"}) is TuttiTier
+    assert SecondaryTierFactory.get_tier_class({"type": "TuttiTier", "module_path": "tutti.vllm.tier"}) is TuttiTier

@@ -1,5 +1,8 @@
 """vLLM plugin entry point (`vllm.general_plugins`): registers the name "TuttiConnectorV1" so
-`"kv_connector": "TuttiConnectorV1"` works without `kv_connector_module_path`."""
+`"kv_connector": "TuttiConnectorV1"` works without `kv_connector_module_path`, and the secondary
+tier type "tutti" for vLLM's OffloadingConnector (TieringOffloadingSpec), which vLLM 0.26 can only
+find by a registered name (later versions also take `"type": "TuttiTier", "module_path":
+"tutti.vllm.tier"`)."""
 
 from __future__ import annotations
 
@@ -10,3 +13,9 @@ def register() -> None:
     registry = getattr(KVConnectorFactory, "_registry", {})
     if "TuttiConnectorV1" not in registry:
         KVConnectorFactory.register_connector("TuttiConnectorV1", "tutti.vllm.connector", "TuttiConnectorV1")
+    try:
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    except ImportError:  # a vLLM without tiered offloading
+        return
+    if "tutti" not in getattr(SecondaryTierFactory, "_registry", {}):
+        SecondaryTierFactory.register_tier("tutti", "tutti.vllm.tier", "TuttiTier")

@@ -1,0 +1,125 @@
+"""TuttiTier, tutti's store as a secondary tier of vLLM's OffloadingConnector, driven through vLLM's
+own tier interface (vllm 0.32: TransferJob, JobResult, LookupResult) over a real memory region
+standing in for the CPU tier and real files. The OffloadingConnector itself needs CUDA, so the
+end-to-end run (store, a fresh process, hits, identical tokens, a corrupted chunk recomputed) is
+scripts/gpu_tier.py on the H200."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.tiering.base import TransferJob
+
+from tutti.vllm.tier import TuttiTier
+
+CHUNK = 3 * 4096 + 512  # an offloaded chunk of vLLM's CPU tier: not a 4 KiB multiple
+SLOTS = 16
+
+
+def spec():
+    cfg = SimpleNamespace(model=SimpleNamespace(name="tiny-tier", dtype="bfloat16"),
+                          parallel=SimpleNamespace(rank=0, tp_size=1, pp_size=1))
+    return SimpleNamespace(config=cfg, tokens_per_block=(16,), blocks_per_chunk=1)
+
+
+def primary(seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (SLOTS, CHUNK), dtype=np.uint8)
+
+
+def tier(root, region, **kw):
+    return TuttiTier(spec(), memoryview(region), "TuttiTier", root=str(root), capacity_bytes=kw.pop("capacity", "1MiB"),
+                     **kw)
+
+
+def run(t, job):
+    (t.submit_load if job.is_promotion else t.submit_store)(job)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done = list(t.get_finished_jobs())
+        if done:
+            assert [r.job_id for r in done] == [job.job_id]
+            return done[0].success
+        time.sleep(0.005)
+    raise AssertionError("job did not finish")
+
+
+def job(job_id, keys, slots, promotion):
+    return TransferJob(job_id=job_id, keys=keys, chunk_ids=np.array(slots), is_promotion=promotion,
+                       req_context=ReqContext(req_id=f"r{job_id}"))
+
+
+KEYS = [bytes([i]) * 36 for i in range(4)]
+
+
+def test_store_then_a_fresh_tier_loads_bit_exact(tmp_path):
+    region = primary()
+    t = tier(tmp_path, region)
+    assert all(t.lookup(k, None) == LookupResult.MISS for k in KEYS)
+    assert run(t, job(1, KEYS, [0, 1, 2, 3], False))
+    assert all(t.lookup(k, None) == LookupResult.HIT for k in KEYS)
+    want = region[:4].copy()
+    t.shutdown()
+    region2 = np.zeros_like(region)
+    t2 = tier(tmp_path, region2)  # a fresh process: the index comes back from the journal
+    assert all(t2.lookup(k, None) == LookupResult.HIT for k in KEYS)
+    assert run(t2, job(2, KEYS, [8, 9, 10, 11], True))
+    assert np.array_equal(region2[8:12], want)
+    t2.shutdown()
+
+
+def test_a_corrupted_chunk_fails_its_load_and_is_not_served_again(tmp_path):
+    region = primary()
+    t = tier(tmp_path, region)
+    assert run(t, job(1, KEYS, [0, 1, 2, 3], False))
+    slot = t._index.slot_of(t._key(KEYS[2]))
+    fd, off = t._store.location(slot)
+    with open(t._store.slab_path(slot), "r+b") as f:
+        f.seek(off + 100)
+        b = f.read(1)
+        f.seek(off + 100)
+        f.write(bytes([b[0] ^ 0x10]))
+    assert not run(t, job(2, [KEYS[2]], [12], True))  # vLLM treats a failed promotion as a miss
+    assert t.lookup(KEYS[2], None) == LookupResult.MISS and t.loads_failed == 1
+    assert run(t, job(3, [KEYS[0]], [13], True)) and np.array_equal(region[13], region[0])
+    t.shutdown()
+    t2 = tier(tmp_path, region)  # journaled free: a restart does not serve it either
+    assert t2.lookup(KEYS[2], None) == LookupResult.MISS and t2.lookup(KEYS[0], None) == LookupResult.HIT
+    t2.shutdown()
+
+
+def test_capacity_evicts_least_recently_used(tmp_path):
+    region = primary()
+    slot_bytes = -(-CHUNK // 4096) * 4096
+    t = tier(tmp_path, region, capacity=3 * slot_bytes)
+    assert run(t, job(1, KEYS[:3], [0, 1, 2], False))
+    t.touch([KEYS[0]], None)
+    assert run(t, job(2, [KEYS[3]], [3], False))  # evicts KEYS[1], the least recently used
+    assert [t.lookup(k, None) == LookupResult.HIT for k in KEYS] == [True, False, True, True]
+    t.shutdown()
+
+
+def test_bad_configuration_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"capacity_bytes: missing"):
+        TuttiTier(spec(), memoryview(primary()), "TuttiTier", root=str(tmp_path))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['rot'\]"):
+        TuttiTier(spec(), memoryview(primary()), "TuttiTier", rot=str(tmp_path), capacity_bytes="1MiB")
+    with pytest.raises(ValueError, match=r"root=None: expected a directory"):
+        TuttiTier(spec(), memoryview(primary()), "TuttiTier", capacity_bytes="1MiB")
+
+
+def test_vllms_factory_builds_it_from_a_secondary_tiers_entry(tmp_path):
+    """The dict a user writes in secondary_tiers, through vLLM's own SecondaryTierFactory."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    region = primary()
+    t = SecondaryTierFactory.create_secondary_tier(
+        {"type": "TuttiTier", "module_path": "tutti.vllm.tier", "root": str(tmp_path), "capacity_bytes": "1MiB",
+         "locality": "LOCAL"}, memoryview(region), spec())
+    assert isinstance(t, TuttiTier) and t.tier_type == "TuttiTier"
+    assert run(t, job(1, KEYS[:1], [0], False)) and t.lookup(KEYS[0], None) == LookupResult.HIT
+    t.shutdown()

@@ -1,0 +1,289 @@
+"""tutti's store as a secondary tier of vLLM's OffloadingConnector (TieringOffloadingSpec).
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": ...,
+        "secondary_tiers": [{"type": "TuttiTier", "module_path": "tutti.vllm.tier",
+                             "root": "/mnt/nvme/tutti-tier", "capacity_bytes": "512GiB"}]}}'
+
+vLLM's CPU tier stays in front (GPU <-> CPU is vLLM's); this tier moves whole offloaded chunks
+between the CPU tier's memory and tutti's store: slab files striped over roots, a journal of
+checksummed records made durable after the data, a hard capacity with LRU eviction, a keyed tag
+per chunk with a secret, safe opens, fingerprinted namespaces. A chunk here is vLLM's offloaded
+block as vLLM lays it out (opaque bytes: one segment of a one-layer slot), so its namespace is
+its own, beside the layer-wise TuttiConnectorV1's namespaces in the same root format.
+
+Keys are vLLM's offload keys (block hashes). As for vLLM's own `fs` tier, they are stable across
+processes only with a fixed PYTHONHASHSEED (vLLM seeds its hash chain randomly otherwise), so set
+it on every server that should read what another stored, or that restarts.
+
+IO runs on a small thread pool; every method the scheduler calls returns at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterable
+
+from tutti.engine.config import parse_bytes, resolve_root
+from tutti.engine.index import ChunkIndex
+from tutti.io.fingerprint import Fingerprint
+from tutti.kernels import FORMAT_VERSION
+from tutti.io.integrity import SegmentMac, load_secret
+from tutti.io.store import ChunkStore
+from tutti.vllm import compat
+
+from vllm.logger import init_logger
+from vllm.v1.kv_offload.base import LookupResult
+from vllm.v1.kv_offload.tiering import base as _tiering
+
+logger = init_logger(__name__)
+
+SecondaryTierManager = _tiering.SecondaryTierManager
+JobResult = _tiering.JobResult
+RequestOffloadingContext = _tiering.RequestOffloadingContext if hasattr(_tiering, "RequestOffloadingContext") else \
+    __import__("vllm.v1.kv_offload.base", fromlist=["RequestOffloadingContext"]).RequestOffloadingContext
+
+_KNOWN = {"root", "roots", "capacity_bytes", "secret_file", "secret_env", "slots_per_slab", "io_threads", "locality"}
+
+
+def _medium():
+    try:  # vLLM 0.32: an enum; 0.26: the event string
+        from vllm.v1.kv_offload.base import Medium
+
+        return Medium.STORAGE
+    except ImportError:
+        from vllm.distributed.kv_events import MEDIUM_FS
+
+        return MEDIUM_FS
+
+
+def _job_slots(job) -> list[int]:
+    """The primary-tier slots of a job (`block_ids` in vLLM 0.26, `chunk_ids` later)."""
+    ids = getattr(job, "chunk_ids", None)
+    if ids is None:
+        ids = job.block_ids
+    return [int(i) for i in ids]
+
+
+class TuttiTier(SecondaryTierManager):
+    medium = _medium()
+
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, backpressure_detector=None,
+                 **config: Any) -> None:
+        unknown = sorted(set(config) - _KNOWN)
+        if unknown:
+            raise ValueError(f"secondary_tiers[type={tier_type}]: unknown key(s) {unknown}; allowed: {sorted(_KNOWN)}")
+        if "root" in config and "roots" in config:
+            raise ValueError(f"secondary_tiers[type={tier_type}]: give 'root' or 'roots', not both")
+        roots = config.get("roots", config.get("root"))
+        if isinstance(roots, str):
+            roots = [roots]
+        if not roots or not all(isinstance(r, str) and r for r in roots):
+            raise ValueError(f"secondary_tiers[type={tier_type}].root={roots!r}: expected a directory path "
+                             "(or 'roots': one per drive), e.g. \"/mnt/nvme/tutti-tier\"")
+        if "capacity_bytes" not in config:
+            raise ValueError(f"secondary_tiers[type={tier_type}].capacity_bytes: missing; give the tier's size, "
+                             "e.g. \"512GiB\"")
+        capacity = parse_bytes(f"secondary_tiers[type={tier_type}].capacity_bytes", config["capacity_bytes"])
+        threads = config.get("io_threads", 8)
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 256:
+            raise ValueError(f"secondary_tiers[type={tier_type}].io_threads={threads!r}: expected an int in [1, 256]")
+        if backpressure_detector is not None:  # vLLM 0.32+: the base class takes it
+            super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        else:
+            super().__init__(offloading_spec, primary_kv_view, tier_type)
+        if config.get("locality") is not None:
+            try:
+                from vllm.v1.kv_offload.base import Locality
+
+                self.locality = Locality(config["locality"])
+            except (ImportError, ValueError) as exc:
+                raise ValueError(f"secondary_tiers[type={tier_type}].locality={config['locality']!r}: expected "
+                                 f"\"LOCAL\" or \"REMOTE\" ({exc})") from None
+        view = memoryview(primary_kv_view)
+        if view.strides is None or not view.c_contiguous:
+            raise ValueError("TuttiTier: the CPU tier's memory view is not C-contiguous; this vLLM is not supported")
+        self._chunk_bytes = int(view.strides[0])
+        self._view = view.cast("B") if view.ndim != 1 or view.format != "B" else view
+        secret = load_secret(file=config.get("secret_file") or None, env=config.get("secret_env") or None)
+        self._mac = SegmentMac(secret) if secret is not None else None
+        fp = self._fingerprint(offloading_spec)
+        rank = getattr(getattr(getattr(offloading_spec, "config", None), "parallel", None), "rank", 0) or 0
+        self._store = ChunkStore([resolve_root(r, rank) for r in roots], fp, capacity_bytes=capacity, writer=True,
+                                 slots_per_slab=config.get("slots_per_slab"))
+        self._index = ChunkIndex(self._store.num_slots)
+        self._index.rebuild({slot: e.key for slot, e in self._store.entries().items()})
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tutti-tier")
+        self._commit = threading.Lock()  # journal appends and syncs: one thread at a time
+        self._jobs: list[tuple[Any, Future, list[bytes], bool]] = []  # (job id, future, keys, is_load)
+        self.loads_failed = 0
+        logger.info("tutti tier: %s, %d chunks of %d B resident (capacity %d chunks)", self._store.namespaces[0],
+                    len(self._index), self._chunk_bytes, self._store.num_slots)
+
+    # ---- identity --------------------------------------------------------------------------
+    def _fingerprint(self, spec) -> Fingerprint:
+        """What the bytes of one offloaded chunk depend on: the model, its dtype and parallel
+        layout, the chunk's tokens and its size as vLLM lays it out."""
+        cfg = getattr(spec, "config", None)
+        model = getattr(getattr(cfg, "model", None), "name", None) or "unknown-model"
+        dtype = str(getattr(getattr(cfg, "model", None), "dtype", "opaque") or "opaque").replace("torch.", "").lower()
+        par = getattr(cfg, "parallel", None)
+        tokens = getattr(spec, "tokens_per_block", None) or (getattr(spec, "block_size", 0),)
+        bpc = getattr(spec, "blocks_per_chunk", 1) or 1
+        seg = -(-self._chunk_bytes // 4096) * 4096
+        return Fingerprint(
+            model=str(model), cache_dtype=dtype if dtype.replace("_", "").isalnum() else "opaque",
+            format_version=FORMAT_VERSION, chunk_tokens=int(tokens[0]) * int(bpc), num_layers=1, num_heads=1,
+            content_bytes=self._chunk_bytes, segment_bytes=seg,
+            tp_rank=int(getattr(par, "rank", 0) or 0), tp_size=int(getattr(par, "tp_size", 1) or 1),
+            pp_rank=0, pp_size=int(getattr(par, "pp_size", 1) or 1),
+            extra=(("layout", "vllm-offload-chunk"), ("tokens_per_block", ",".join(map(str, tokens))),
+                   ("integrity", "" if self._mac is None else SegmentMac.name)))
+
+    def _key(self, key: bytes) -> bytes:
+        return hashlib.blake2b(bytes(key), digest_size=32, person=b"tutti-tier").digest()
+
+    def _tag(self, key: bytes, data) -> int:
+        if self._mac is not None:
+            return self._mac.tag(key, 0, data)
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+    # ---- what the scheduler asks -------------------------------------------------------------
+    def on_new_request(self, req_context):
+        return RequestOffloadingContext()
+
+    def lookup(self, key, req_context):
+        return LookupResult.HIT if self._key(key) in self._index else LookupResult.MISS
+
+    def touch(self, keys, req_context):
+        for k in keys:
+            self._index.lookup_prefix([self._key(k)])
+
+    def submit_store(self, job_metadata) -> None:
+        keys = [self._key(k) for k in job_metadata.keys]
+        res = self._index.plan_store(keys)
+        work = [(k, res.slots[k], s) for k, s in zip(keys, _job_slots(job_metadata)) if k in res.slots]
+        fut = self._pool.submit(self._store_chunks, work, res.evicted)
+        self._jobs.append((job_metadata.job_id, fut, [k for k, _, _ in work], False))
+
+    def submit_load(self, job_metadata) -> None:
+        keys = [self._key(k) for k in job_metadata.keys]
+        work = []
+        for k, s in zip(keys, _job_slots(job_metadata)):
+            slot = self._index.slot_of(k)
+            if slot is not None:
+                self._index.pin([k])
+            work.append((k, slot, s))
+        fut = self._pool.submit(self._load_chunks, work)
+        self._jobs.append((job_metadata.job_id, fut, [k for k, slot, _ in work if slot is not None], True))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        out, still = [], []
+        for job_id, fut, keys, is_load in self._jobs:
+            if not fut.done():
+                still.append((job_id, fut, keys, is_load))
+                continue
+            try:
+                ok = fut.result()
+            except Exception as exc:  # noqa: BLE001 - a failed job is a miss, never an exception upstream
+                logger.warning("tutti tier: %s job failed: %s", "load" if is_load else "store", exc)
+                ok = {k: False for k in keys}
+            if is_load:
+                self._index.unpin(keys)
+                for k, good in ok.items():
+                    if not good:
+                        self.loads_failed += 1
+                        self._index.drop(k)  # not trusted again; its slot was journaled free
+            else:
+                for k, good in ok.items():
+                    (self._index.commit if good else self._index.abort)(k)
+            out.append(JobResult(job_id=job_id, success=all(ok.values()) if ok else not is_load))
+        self._jobs = still
+        return out
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    def drain_jobs(self) -> None:
+        for _, fut, _, _ in list(self._jobs):
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - reported by get_finished_jobs
+                pass
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._store.close()
+
+    # ---- IO (pool threads) ----------------------------------------------------------------
+    def _store_chunks(self, work: list[tuple[bytes, int, int]], evicted: list[bytes]) -> dict[bytes, bool]:
+        """free records (synced) -> data -> fdatasync -> put records (synced): a crash never shows
+        a torn chunk."""
+        if not work:
+            return {}
+        cb = self._chunk_bytes
+        with self._commit:
+            self._store.record_free([slot for _, slot, _ in work])
+            self._store.sync_journal()
+        ok, tags = {}, {}
+        for key, slot, src in work:
+            data = self._view[src * cb:(src + 1) * cb]
+            try:
+                fd, off = self._store.acquire(slot)
+                try:
+                    n = os.pwritev(fd, [data], off)
+                finally:
+                    self._store.release(slot)
+                ok[key] = n == cb
+                tags[key] = self._tag(key, data)
+            except OSError as exc:
+                logger.warning("tutti tier: storing a chunk failed: %s", exc)
+                ok[key] = False
+        done = [(k, slot) for k, slot, _ in work if ok[k]]
+        if done:
+            try:
+                with self._commit:
+                    self._store.sync_data([slot for _, slot in done])
+                    for k, slot in done:
+                        self._store.record_put(k, slot, [tags[k]])
+                    self._store.sync_journal()
+            except OSError as exc:
+                logger.warning("tutti tier: making %d chunks durable failed: %s", len(done), exc)
+                return {k: False for k in ok}
+        return ok
+
+    def _load_chunks(self, work: list[tuple[bytes, int | None, int]]) -> dict[bytes, bool]:
+        cb = self._chunk_bytes
+        ok = {}
+        bad = []
+        for key, slot, dst in work:
+            if slot is None:
+                continue
+            entry = self._store.get(slot)
+            out = self._view[dst * cb:(dst + 1) * cb]
+            good = False
+            if entry is not None and entry.key == key:
+                try:
+                    fd, off = self._store.acquire(slot)
+                    try:
+                        n = os.preadv(fd, [out], off)
+                    finally:
+                        self._store.release(slot)
+                    good = n == cb and self._tag(key, out) == entry.checksums[0]
+                except OSError as exc:
+                    logger.warning("tutti tier: reading a chunk failed: %s", exc)
+            if not good:
+                logger.warning("tutti tier: chunk %s failed its check (or is gone); vLLM recomputes it", key.hex()[:16])
+                bad.append(slot)
+            ok[key] = good
+        if bad:
+            try:
+                with self._commit:
+                    self._store.record_free(bad)
+                    self._store.sync_journal()
+            except OSError:
+                pass
+        return ok
