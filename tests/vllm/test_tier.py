@@ -123,3 +123,20 @@ def test_vllms_factory_builds_it_from_a_secondary_tiers_entry(tmp_path):
     assert isinstance(t, TuttiTier) and t.tier_type == "TuttiTier"
     assert run(t, job(1, KEYS[:1], [0], False)) and t.lookup(KEYS[0], None) == LookupResult.HIT
     t.shutdown()
+
+
+def test_an_auto_dtype_is_resolved_from_vllms_config(tmp_path):
+    """vLLM 0.26 hands the tier dtype 'auto' (the model's); the namespace must still name the real
+    dtype, so fp16 and bf16 KV of one model never share chunks (found on the H200)."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    s = spec()
+    s.config.model.dtype = "auto"
+    cfg = VllmConfig()
+    for dtype, want in ((torch.float16, "float16"), (torch.bfloat16, "bfloat16")):
+        cfg.model_config = SimpleNamespace(dtype=dtype)
+        with set_current_vllm_config(cfg):
+            t = TuttiTier(s, memoryview(primary()), "TuttiTier", root=str(tmp_path / want), capacity_bytes="1MiB")
+        assert t._store.fingerprint.cache_dtype == want
+        t.shutdown()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
@@ -58,6 +59,27 @@ def _medium():
         from vllm.distributed.kv_events import MEDIUM_FS
 
         return MEDIUM_FS
+
+
+def _resolved_dtype(raw: str) -> str:
+    """The KV cache's element type: the tier's config says 'auto' when it follows the model's
+    dtype, so resolve that from vLLM's config (fp16 and bf16 KV of one model are different
+    bytes and must be different namespaces). Raises when it cannot be resolved."""
+    name = raw.replace("torch.", "").lower()
+    if name in ("", "auto"):
+        try:
+            from vllm.config import get_current_vllm_config
+
+            mc = get_current_vllm_config().model_config
+            cache = get_current_vllm_config().cache_config.cache_dtype
+            name = str(cache if cache not in (None, "auto") else mc.dtype).replace("torch.", "").lower()
+        except Exception as exc:  # noqa: BLE001 - no config: refuse rather than guess
+            raise ValueError(f"TuttiTier: the KV cache dtype is {raw!r} and vLLM's config cannot resolve it "
+                             f"({exc}); set kv_cache_dtype explicitly") from None
+    if name in ("", "auto") or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise ValueError(f"TuttiTier: cannot tell the KV cache dtype from {raw!r} (resolved {name!r}); set "
+                         "kv_cache_dtype explicitly")
+    return name
 
 
 def _job_slots(job) -> list[int]:
@@ -129,13 +151,13 @@ class TuttiTier(SecondaryTierManager):
         layout, the chunk's tokens and its size as vLLM lays it out."""
         cfg = getattr(spec, "config", None)
         model = getattr(getattr(cfg, "model", None), "name", None) or "unknown-model"
-        dtype = str(getattr(getattr(cfg, "model", None), "dtype", "opaque") or "opaque").replace("torch.", "").lower()
+        dtype = _resolved_dtype(str(getattr(getattr(cfg, "model", None), "dtype", "") or ""))
         par = getattr(cfg, "parallel", None)
         tokens = getattr(spec, "tokens_per_block", None) or (getattr(spec, "block_size", 0),)
         bpc = getattr(spec, "blocks_per_chunk", 1) or 1
         seg = -(-self._chunk_bytes // 4096) * 4096
         return Fingerprint(
-            model=str(model), cache_dtype=dtype if dtype.replace("_", "").isalnum() else "opaque",
+            model=str(model), cache_dtype=dtype,
             format_version=FORMAT_VERSION, chunk_tokens=int(tokens[0]) * int(bpc), num_layers=1, num_heads=1,
             content_bytes=self._chunk_bytes, segment_bytes=seg,
             tp_rank=int(getattr(par, "rank", 0) or 0), tp_size=int(getattr(par, "tp_size", 1) or 1),
