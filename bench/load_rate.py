@@ -97,6 +97,18 @@ def load_once(w, n_chunks, bpc, step, layerwise: bool, layers: int) -> float:
     return dt
 
 
+def _copy_rate(host: torch.Tensor, rounds: int = 4) -> float:
+    """GB/s of host-to-device copies of `host` (one warm-up copy first)."""
+    dev = torch.empty(host.numel(), dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        dev.copy_(host, non_blocking=True)
+    sync()
+    return rounds * host.numel() / (time.perf_counter() - t0) / 1e9
+
+
 def ceilings(root: str, nbytes: int) -> dict:
     from tutti.io.buffers import aligned_buffer
     from tutti.io.queue import IORequest, open_queue, submit_all, wait_all
@@ -123,16 +135,7 @@ def ceilings(root: str, nbytes: int) -> dict:
         q.close()
         out[f"read_{backend}_GBps"] = total / t / 1e9 if t else 0.0
     if torch.cuda.is_available():
-        host = aligned_buffer(1 << 30)
-        dev = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-        for _ in range(2):
-            dev.copy_(host, non_blocking=True)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(4):
-            dev.copy_(host, non_blocking=True)
-        sync()
-        out["h2d_pinned_GBps"] = 4 * (1 << 30) / (time.perf_counter() - t0) / 1e9
+        out["h2d_pinned_GBps"] = _copy_rate(aligned_buffer(1 << 30))
         if out["fs"] == "tmpfs" and files:
             import mmap
 
@@ -143,18 +146,11 @@ def ceilings(root: str, nbytes: int) -> dict:
             t0 = time.perf_counter()
             undo = register_host(t_map.data_ptr(), n)
             out["register_s_per_GiB"] = (time.perf_counter() - t0) / (n / (1 << 30))
-            d2 = torch.empty(n, dtype=torch.uint8, device="cuda")
-            d2.copy_(t_map, non_blocking=True)
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(4):
-                d2.copy_(t_map, non_blocking=True)
-            sync()
-            out["h2d_mapped_GBps"] = 4 * n / (time.perf_counter() - t0) / 1e9
+            out["h2d_mapped_GBps"] = _copy_rate(t_map)
             out["mapped_registered"] = undo is not None
             if undo:
                 undo()
-            del t_map, d2
+            del t_map
             os.close(fd)
     return out
 

@@ -73,6 +73,14 @@ def segment_location(root: Path, slot: int, layer: int) -> tuple[str, int]:
         return st.slab_path(slot), off
 
 
+def flip_byte(path, off: int, mask: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ mask]))
+
+
 # ---- inspect ------------------------------------------------------------------------------------
 def test_inspect_shows_fingerprint_chunks_slabs_and_journal(store_root, capsys):
     rc, out, _ = run_cli(capsys, "inspect", str(store_root))
@@ -109,11 +117,7 @@ def test_verify_clean_store(store_root, capsys):
 
 def test_verify_catches_a_flipped_byte(store_root, capsys):
     path, off = segment_location(store_root, 7, 1)
-    with open(path, "r+b") as f:
-        f.seek(off + 100)
-        b = f.read(1)
-        f.seek(off + 100)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_byte(path, off + 100, 0x01)
     rc, out, _ = run_cli(capsys, "verify", "--no-progress", str(store_root))
     assert rc == 1
     assert "FAILED: 1 bad segment(s) in 3 chunk(s)" in out
@@ -258,10 +262,6 @@ def test_inspect_and_verify_read_every_writer_of_a_shared_namespace(tmp_path, ca
     fp = geometry().fingerprint()
     with ChunkStore(str(root), fp, capacity_bytes=64 * geometry().slot_bytes, writer=False, writer_id="b") as st:
         path, off = st.slab_path(7), st.location(7, 1)[1]
-    with open(path, "r+b") as f:
-        f.seek(off + 5)
-        b = f.read(1)
-        f.seek(off + 5)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(path, off + 5, 0x01)
     rc, out, _ = run_cli(capsys, "verify", "--no-progress", str(root))
     assert rc == 1 and "w-b" in out and "slot 7" in out, out
