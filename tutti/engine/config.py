@@ -174,6 +174,7 @@ class EngineConfig:
     max_inflight_stores: int = 48  # slots stores may hold; the rest serve the rolling loads
     verify_checksums: bool = True
     slots_per_slab: int = 64
+    io_options: Mapping[str, Any] = field(default_factory=dict)  # the IO backend's own keyword options
     max_open_slabs: int = 256  # slab descriptors kept open (more only while IO in flight holds them)
     # Loads copy straight from slab files mapped into memory (one DMA on CUDA, no read system
     # call): "auto" = where every root is on a RAM file system (tmpfs, ramfs) and not shared.
@@ -249,10 +250,20 @@ class EngineConfig:
                 kw[name] = v
         if "io_backend" in raw:
             v = raw.pop("io_backend")
-            allowed = ("auto", "uring", "threads", "nvme")
-            if v not in allowed:
-                raise ValueError(f"kv_connector_extra_config.io_backend={v!r}: expected one of {list(allowed)}")
+            if v != "auto":
+                from tutti.io.queue import resolve_backend
+
+                try:
+                    resolve_backend(v)
+                except ValueError as exc:
+                    raise ValueError(f"kv_connector_extra_config.{exc}") from None
             kw["io_backend"] = v
+        if "io_options" in raw:
+            v = raw.pop("io_options")
+            if not isinstance(v, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in v):
+                raise ValueError(f"kv_connector_extra_config.io_options={v!r}: expected a mapping of the backend's "
+                                 "keyword options, e.g. {\"workers\": 8}")
+            kw["io_options"] = dict(v)
         if "kernel_variant" in raw:
             v = raw.pop("kernel_variant")
             if not isinstance(v, str) or not v:

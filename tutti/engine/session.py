@@ -257,7 +257,7 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
         # through the page cache: the thread pool measured 3.3x faster on the H200 machine
         # (/dev/shm, 1 MiB reads: 11.6 against 3.5 GB/s), so it is the default there.
         backend = "threads"
-    q = open_queue(backend)
+    q = open_queue(backend, **cfg.io_options)
     access = store_access(cfg)
     maps = cfg.mapped_loads is True or (cfg.mapped_loads == "auto" and not access.shared
                                         and all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots))

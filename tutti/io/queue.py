@@ -306,8 +306,36 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def resolve_backend(backend: str) -> Callable[..., IOQueue]:
+    """The factory of a backend: a registered name ("uring", "threads", "nvme", or one a module
+    registered with @register_backend), or "package.module:attr" (an IOQueue subclass or a
+    function returning one; importing the module may also register names). A name registered in a
+    notebook exists only in that process: a server needs "package.module:attr"."""
+    _load_builtin_backends()
+    if backend in _BACKENDS:
+        return _BACKENDS[backend]
+    if isinstance(backend, str) and ":" in backend:
+        import importlib
+
+        mod_name, _, attr = backend.partition(":")
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as exc:
+            raise ValueError(f"io_backend={backend!r}: cannot import module {mod_name!r} ({exc}); give "
+                             "'package.module:attr' of an importable module") from None
+        factory = getattr(mod, attr, None)
+        if not callable(factory):
+            raise ValueError(f"io_backend={backend!r}: module {mod_name!r} has no callable {attr!r} (an IOQueue "
+                             "subclass or a function returning an IOQueue)")
+        return factory
+    raise ValueError(
+        f"io_backend={backend!r}: unknown backend; expected one of {['auto', *available_backends()]} or "
+        "'package.module:attr' (a name registered in a notebook does not exist in a server process)")
+
+
 def open_queue(backend: str = "auto", **kwargs) -> IOQueue:
-    """Open a queue by backend name; "auto" tries io_uring and falls back to threads."""
+    """Open a queue: "auto" tries io_uring and falls back to threads; otherwise see
+    resolve_backend. `kwargs` are the backend's own options (config: `io_options`)."""
     _load_builtin_backends()
     if backend == "auto":
         backend = "uring" if "uring" in _BACKENDS else "threads"
@@ -320,11 +348,15 @@ def open_queue(backend: str = "auto", **kwargs) -> IOQueue:
             # Options only io_uring understands are named uring_*; the fallback drops them.
             kwargs = {k: v for k, v in kwargs.items() if not k.startswith("uring_")}
             return _BACKENDS["threads"](**kwargs)
-    if backend not in _BACKENDS:
-        raise ValueError(
-            f"io_backend={backend!r}: unknown backend; expected one of {['auto', *available_backends()]}"
-        )
-    return _BACKENDS[backend](**kwargs)
+    factory = resolve_backend(backend)
+    try:
+        q = factory(**kwargs)
+    except TypeError as exc:  # an option the backend does not take
+        raise ValueError(f"io_options={kwargs!r}: backend {backend!r} refused them ({exc}); pass only options "
+                         "its constructor takes") from None
+    if not isinstance(q, IOQueue):
+        raise ValueError(f"io_backend={backend!r}: built a {type(q).__name__}, not a tutti.io.queue.IOQueue")
+    return q
 
 
 def _load_builtin_backends() -> None:

@@ -200,7 +200,7 @@ def _backend_name(vllm_config: Any, layer_name: str | None) -> str:
         return "UNKNOWN"
 
 
-def discover_layout(vllm_config: Any, caches: Sequence[torch.Tensor], *, cross_layer: bool = False,
+def discover_layout(vllm_config: Any, caches: Sequence[torch.Tensor], *,
                     layer_name: str | None = None) -> tuple[Any, list[torch.Tensor], int]:
     """The PagedLayout of the tensors vLLM registered, the tensors to hand the kernels (possibly
     re-viewed), and how many kernel blocks one manager block spans.
@@ -224,19 +224,16 @@ def discover_layout(vllm_config: Any, caches: Sequence[torch.Tensor], *, cross_l
         layout = PagedLayout.from_tensor(views[0], ("block", "head", "kv", "token", "dim"))
         return layout, views, manager_bs // layout.block_size
     kernel_bs = _kernel_block_size(t, manager_bs)
-    num_layers = mc.get_num_layers(pc) if cross_layer else None
-    num_blocks = _num_blocks(t, kernel_bs, heads, head, num_layers)
+    num_blocks = _num_blocks(t, kernel_bs, heads, head)
     roles = infer_roles(tuple(t.shape), num_blocks=num_blocks, block_size=kernel_bs, num_heads=heads,
-                        head_size=head, num_layers=num_layers, mla=mla)
+                        head_size=head, mla=mla)
     layout = PagedLayout.from_tensor(t, roles)
     return layout, list(caches), manager_bs // layout.block_size
 
 
-def _num_blocks(t: torch.Tensor, block_size: int, heads: int, head: int, num_layers: int | None) -> int:
-    """The one dimension that is not the block size, heads, K/V, head size or layers."""
+def _num_blocks(t: torch.Tensor, block_size: int, heads: int, head: int) -> int:
+    """The one dimension that is not the block size, heads, K/V or head size."""
     small = {block_size, heads, 2, head, 2 * head, 1}
-    if num_layers:
-        small.add(num_layers)
     cands = [n for n in t.shape if n not in small]
     return max(cands) if cands else max(t.shape)
 
@@ -371,12 +368,6 @@ def _base():
 def has_transfer_results() -> bool:
     """0.32+: the worker reports ``get_transfer_results`` (with failed receives)."""
     return hasattr(_base(), "KVConnectorTransferResults")
-
-
-def has_cross_layer_api() -> bool:
-    """0.26: ``register_cross_layers_kv_cache`` replaces ``register_kv_caches`` when
-    the connector's ``prefer_cross_layer_blocks`` is True."""
-    return hasattr(_base().KVConnectorBase_V1, "register_cross_layers_kv_cache")
 
 
 @functools.cache

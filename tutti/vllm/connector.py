@@ -126,15 +126,6 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         self._worker.warm_up()
         self._log_ready(layout, len(caches))
 
-    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
-        """vLLM 0.26: one tensor holding every layer."""
-        layout, views, kbpb = compat.discover_layout(self._vllm_config, [kv_cache], cross_layer=True)
-        geom = self._geom.for_rank(*compat.worker_ranks(self._vllm_config))
-        self._layer_index = {}
-        self._worker = build_worker(self._extra, geom, caches=views, layout=layout,
-                                    kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config))
-        self._log_ready(layout, geom.num_layers)
-
     def _log_ready(self, layout: Any, num_layers: int) -> None:
         """The one start-up line (INFO, rank 0; other ranks at DEBUG)."""
         w = self._worker
