@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tutti.engine.config import EngineConfig
-from tutti.engine.plan import WorkerReport
+from tutti.engine.plan import NULL_BLOCK, WorkerReport
 from tutti.io.queue import IOQueue
 
 log = logging.getLogger("tutti.engine")
@@ -81,6 +81,9 @@ class WorkerContext:
     kbpb: int  # kernel blocks per manager block
     writes: bool  # False on a rank that only reads another rank's namespace (MLA under TP)
     mac: Any = None  # tutti.io.integrity.SegmentMac with a secret: keyed tags replace checksums
+    # Hybrid models: the KV cache group of each layer (vLLM hands one block list per group; a
+    # chunk's block ids are every group's, group after group). None: one group.
+    group_of_layer: list[int] | None = None
     num_layers: int = field(init=False)
     device: torch.device = field(init=False)
     cuda: bool = field(init=False)
@@ -92,6 +95,40 @@ class WorkerContext:
         # A variant that accepts id_range gets the block ids' bounds from the host, so its
         # launcher never reads the device tensor back (a host sync per launch otherwise).
         self._ranged = _takes_id_range(self.kernel.gather) and _takes_id_range(self.kernel.scatter)
+
+    @property
+    def num_groups(self) -> int:
+        return 1 if self.group_of_layer is None else max(self.group_of_layer) + 1
+
+    def blocks_for(self, block_ids: Sequence[int], layer: int) -> tuple[int, ...]:
+        """A chunk's blocks in the group of `layer`."""
+        if self.group_of_layer is None:
+            return tuple(block_ids)
+        bpc = len(block_ids) // self.num_groups
+        g = self.group_of_layer[layer]
+        return tuple(block_ids[g * bpc:(g + 1) * bpc])
+
+    def skip_for(self, block_ids: Sequence[int], skip_blocks: int, layer: int) -> int:
+        """Blocks at the start of a chunk that a load must not write, in the group of `layer`:
+        vLLM's own prefix cache hits (`skip_blocks`) and, in a sliding-window group, the blocks
+        before the window (vLLM's null block, id 0, stands in for them)."""
+        if self.group_of_layer is None:
+            return skip_blocks
+        blocks = self.blocks_for(block_ids, layer)
+        lead = 0
+        while lead < len(blocks) and blocks[lead] == NULL_BLOCK:
+            lead += 1
+        return max(skip_blocks, lead)
+
+    def written_blocks(self, block_ids: Sequence[int], skip_blocks: int) -> set[int]:
+        """Every block a load of this chunk writes (all groups): what fails when it fails."""
+        if self.group_of_layer is None:
+            return set(block_ids[skip_blocks:])
+        out: set[int] = set()
+        for layer in {self.group_of_layer.index(g) for g in range(self.num_groups)}:
+            out.update(self.blocks_for(block_ids, layer)[self.skip_for(block_ids, skip_blocks, layer):])
+        out.discard(NULL_BLOCK)
+        return out
 
     @property
     def chunk_bytes(self) -> int:

@@ -107,7 +107,7 @@ class LoadPipeline:
         if ctx.cfg.verify_checksums and ctx.mac is None:  # keyed tags are checked on the host instead
             with self._on_stream():
                 self._bad = torch.zeros((len(self._loads), ctx.num_layers), dtype=torch.bool, device=ctx.device)
-        first = self._load_mapped() if self.maps else 0
+        first = self._load_mapped() if self.maps and ctx.num_groups == 1 else 0  # one block list for all layers
         for layer in range(ctx.num_layers):
             for i in range(first, len(self._loads), self.per_slot):
                 self._items.append(_Item(layer, i, self._loads[i:i + self.per_slot]))
@@ -184,7 +184,7 @@ class LoadPipeline:
             for i in good:
                 if loads[i].skip_blocks:
                     for layer in range(L):
-                        self._scatter_partial(layer, chunks[i, layer], loads[i])
+                        self._scatter_partial(layer, chunks[i, layer], tuple(loads[i].block_ids), loads[i].skip_blocks)
         self.counters.add(bytes_loaded=len(good) * L * seg)
 
     def _tags_match(self, ld: LoadChunk, sums: tuple[int, ...], view: torch.Tensor) -> bool:
@@ -390,13 +390,17 @@ class LoadPipeline:
                         bad = self._bad[item.first:item.first + n, item.layer]
                         torch.logical_or(bad, ctx.checksum(src) != want, out=bad)
                 with nvtx_range("scatter", item.layer):
-                    full = [(i, ld) for i, ld in good if ld.skip_blocks == 0]
+                    layer = item.layer
+                    skips = {i: ctx.skip_for(ld.block_ids, ld.skip_blocks, layer) for i, ld in good}
+                    full = [(i, ld) for i, ld in good if skips[i] == 0]
                     if full:
                         rows = src if len(full) == n else src.index_select(0, ctx.index([i for i, _ in full]))
-                        ctx.scatter([ctx.caches[item.layer]], [ld.block_ids for _, ld in full], rows.unsqueeze(0))
+                        ctx.scatter([ctx.caches[layer]], [ctx.blocks_for(ld.block_ids, layer) for _, ld in full],
+                                    rows.unsqueeze(0))
                     for i, ld in good:
-                        if ld.skip_blocks:
-                            self._scatter_partial(item.layer, src[i], ld)
+                        blocks = ctx.blocks_for(ld.block_ids, layer)
+                        if 0 < skips[i] < len(blocks):
+                            self._scatter_partial(layer, src[i], blocks, skips[i])
                 if ctx.cuda:
                     ev = torch.cuda.Event()
                     ev.record(self.stream)
@@ -439,17 +443,18 @@ class LoadPipeline:
                     ok.append((i, ld))
         return ok
 
-    def _scatter_partial(self, layer: int, seg: torch.Tensor, ld: LoadChunk) -> None:
-        """Scatter only the blocks after `skip_blocks` (the rest is vLLM's own prefix cache)."""
+    def _scatter_partial(self, layer: int, seg: torch.Tensor, blocks: tuple[int, ...], skip: int) -> None:
+        """Scatter only the blocks after the first `skip` (vLLM's own prefix cache, or blocks a
+        sliding-window group no longer holds)."""
         ctx = self.ctx
-        bpc = len(ld.block_ids)
+        bpc = len(blocks)
         tok_bytes = ctx.seg_token_bytes
-        t0 = ld.skip_blocks * (ctx.chunk_tokens // bpc)
+        t0 = skip * (ctx.chunk_tokens // bpc)
         n_tok = ctx.chunk_tokens - t0
         need = -(-(n_tok * tok_bytes) // 4096) * 4096
         part = torch.zeros(need, dtype=torch.uint8, device=seg.device)
         part[: n_tok * tok_bytes].copy_(seg[t0 * tok_bytes: ctx.chunk_tokens * tok_bytes])
-        ctx.scatter([ctx.caches[layer]], [ld.block_ids[ld.skip_blocks:]], part.view(1, 1, need))
+        ctx.scatter([ctx.caches[layer]], [blocks[skip:]], part.view(1, 1, need))
 
     def _fail(self, ld: LoadChunk, why: str) -> None:
         if ld.key not in self._failed_keys:
@@ -458,5 +463,5 @@ class LoadPipeline:
             self._failed_keys.add(ld.key)
             with self.counters.lock:
                 self.counters.report.load_failed.append(ld.key)
-        self._failed_blocks.update(ld.block_ids[ld.skip_blocks:])
+        self._failed_blocks.update(self.ctx.written_blocks(ld.block_ids, ld.skip_blocks))
 

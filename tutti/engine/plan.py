@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+NULL_BLOCK = 0  # vLLM's null block: stands in for blocks a sliding-window group no longer holds
+
+
 @dataclass(frozen=True)
 class LoadChunk:
     """Read chunk `key` from `slot` and scatter it into `block_ids` (manager blocks).

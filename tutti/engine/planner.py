@@ -14,7 +14,7 @@ from typing import Iterable, Mapping, Sequence
 
 from tutti.engine.index import ChunkIndex
 from tutti.engine.keys import Identity, UnkeyableError, chunk_keys
-from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk, WorkerReport
+from tutti.engine.plan import NULL_BLOCK, LoadChunk, StepPlan, StoreChunk, WorkerReport
 
 log = logging.getLogger("tutti.engine")
 
@@ -50,7 +50,7 @@ class _Request:
     req_id: str
     tokens: list[int]
     keys: list[bytes]
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=lambda: [[]])  # per KV cache group
     local_computed: int = 0  # tokens vLLM's own prefix cache had, at the last lookup
     hit_chunks: int = 0  # chunks found stored at the last lookup
     loads: list[LoadChunk] = field(default_factory=list)  # not yet sent to workers
@@ -72,7 +72,7 @@ class _Ticket:
 class Planner:
     def __init__(self, *, num_slots: int, chunk_tokens: int, block_size: int, seed: bytes,
                  num_workers: int = 1, slot_bytes: int = 0, store_decode: bool = False,
-                 num_writers: int | None = None, foreign=None) -> None:
+                 num_writers: int | None = None, foreign=None, num_groups: int = 1) -> None:
         if chunk_tokens % block_size:
             raise ValueError(
                 f"chunk_tokens={chunk_tokens}: must be a multiple of vLLM's block_size={block_size}; "
@@ -91,6 +91,9 @@ class Planner:
             raise ValueError(f"num_writers={num_writers}: expected 1 <= num_writers <= num_workers={num_workers}")
         self.slot_bytes = slot_bytes
         self.store_decode = store_decode
+        # vLLM's KV cache groups (hybrid models: full and sliding-window attention): each request
+        # has one block list per group, and a chunk's blocks are every group's, group by group.
+        self.num_groups = num_groups
         self.stats = PlannerStats()
         self._reqs: dict[str, _Request] = {}
         self._tickets: dict[int, _Ticket] = {}
@@ -110,7 +113,7 @@ class Planner:
     def _request(self, req_id: str, tokens: Sequence[int], identity: Identity | None = None) -> _Request:
         r = self._reqs.get(req_id)
         if r is None:
-            r = _Request(req_id, list(tokens), [], identity=identity)
+            r = _Request(req_id, list(tokens), [], [[] for _ in range(self.num_groups)], identity=identity)
             try:
                 r.keys = chunk_keys(tokens, self.chunk_tokens, self.seed, identity=identity)
             except UnkeyableError as exc:
@@ -155,12 +158,28 @@ class Planner:
             out.append(hit)
         return out
 
+    def _per_group(self, block_ids) -> list[list[int]]:
+        """Block ids as one list per group (a flat list is the only group's)."""
+        ids = list(block_ids or ())
+        if ids and isinstance(ids[0], (list, tuple)):
+            groups = [list(g) for g in ids]
+        else:
+            groups = [ids]
+        if len(groups) != self.num_groups:
+            raise ValueError(f"block ids for {len(groups)} KV cache groups; this planner has {self.num_groups}")
+        return groups
+
+    def _chunk_blocks(self, r: _Request, c: int) -> tuple[int, ...]:
+        """Chunk c's blocks, group after group (each group's `blocks_per_chunk` of them)."""
+        bpc = self.blocks_per_chunk
+        return tuple(b for g in r.block_ids for b in g[c * bpc:(c + 1) * bpc])
+
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Blocks were allocated for the request; plan the loads of its external tokens."""
         r = self._reqs.get(req_id)
         if r is None:
             return
-        r.block_ids = list(block_ids)
+        r.block_ids = self._per_group(block_ids)
         if num_external_tokens <= 0 or r.hit_chunks == 0:
             return
         first = r.local_computed // self.chunk_tokens
@@ -175,7 +194,7 @@ class Planner:
             if source is None and self.index.slot_of(key) != slot:
                 raise RuntimeError(f"chunk {c} of request {req_id} vanished between lookup and allocation")
             skip = max(0, r.local_computed - c * self.chunk_tokens) // self.block_size
-            r.loads.append(LoadChunk(req_id, key, slot, tuple(r.block_ids[c * bpc:(c + 1) * bpc]), skip, source))
+            r.loads.append(LoadChunk(req_id, key, slot, self._chunk_blocks(r, c), skip, source))
             if source is None:
                 self.index.pin([key])
             else:
@@ -192,9 +211,10 @@ class Planner:
                 return
             r = self._request(req_id, tokens)
         if all_block_ids is not None:
-            r.block_ids = list(all_block_ids)
-        else:
-            r.block_ids.extend(new_block_ids)
+            r.block_ids = self._per_group(all_block_ids)
+        elif new_block_ids:
+            for mine, new in zip(r.block_ids, self._per_group(new_block_ids)):
+                mine.extend(new)
 
     def append_tokens(self, req_id: str, tokens: Sequence[int]) -> None:
         """Generated tokens (stored only with store_decode)."""
@@ -235,7 +255,7 @@ class Planner:
                 r.loads = []
             done_tokens = computed_before.get(req_id, 0) + n_sched
             limit = min(done_tokens, len(r.tokens)) // self.chunk_tokens
-            limit = min(limit, len(r.keys), len(r.block_ids) // self.blocks_per_chunk)
+            limit = min(limit, len(r.keys), min(len(g) for g in r.block_ids) // self.blocks_per_chunk)
             for c in range(r.next_store_chunk, limit):
                 want.append((r, c))
             r.next_store_chunk = max(r.next_store_chunk, limit)
@@ -258,9 +278,16 @@ class Planner:
                 slot = res.slots.pop(key, None)
                 if slot is None:
                     continue
+                blocks = self._chunk_blocks(r, c)
+                if self.num_groups > 1 and NULL_BLOCK in blocks:
+                    # a sliding-window group already dropped blocks of this chunk (vLLM's null block):
+                    # its KV is gone, so the chunk cannot be stored whole
+                    self.index.abort(key)
+                    self.stats.stores_declined += 1
+                    continue
                 ticket = next(self._ticket_ids)
                 self._tickets[ticket] = _Ticket(key, r.req_id)
-                plan.stores.append(StoreChunk(r.req_id, key, slot, tuple(r.block_ids[c * bpc:(c + 1) * bpc]), ticket))
+                plan.stores.append(StoreChunk(r.req_id, key, slot, blocks, ticket))
                 r.had_stores = True
                 self.stats.stores_planned += 1
         if pins:
@@ -284,7 +311,7 @@ class Planner:
             if ld.source is None:
                 self.index.unpin([ld.key])
         r.loads = []
-        r.block_ids = []
+        r.block_ids = [[] for _ in range(self.num_groups)]
         r.hit_chunks = 0
         r.next_store_chunk = 0  # chunks stored meanwhile are skipped as resident or pending
         self._preempted.append(req_id)

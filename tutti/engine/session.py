@@ -42,6 +42,17 @@ class Geometry:
     kv_replicated: bool = False
     model_id: str = ""  # identity of the weights and model config behind `model` (see compat.model_identity)
     integrity: str = ""  # "" (checksums) or the keyed tag's name: a store with a secret is its own namespace
+    # Hybrid models: each layer's KV cache group as "<group>:<kind>" ("full", "sw<window>"), in
+    # layer order, joined by ","; "" for one group. A chunk holds every layer's segment either
+    # way; the groups say which block list each layer's blocks come from, and are part of the
+    # namespace.
+    groups: str = ""
+
+    @property
+    def group_of_layer(self) -> list[int] | None:
+        if not self.groups:
+            return None
+        return [int(item.split(":", 1)[0]) for item in self.groups.split(",")]
 
     @property
     def store_tp_rank(self) -> int:
@@ -105,6 +116,8 @@ class Geometry:
             out.append(("model_id", self.model_id))
         if self.integrity:
             out.append(("integrity", self.integrity))
+        if self.groups:
+            out.append(("groups", self.groups))
         return tuple(out)
 
     def seed(self) -> bytes:
@@ -189,7 +202,8 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
     geom = with_integrity(geom, mac)
     planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
                       seed=geom.seed() if mac is None else mac.seed(geom.seed()), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
-                      store_decode=cfg.store_decode, num_writers=geom.num_writers)
+                      store_decode=cfg.store_decode, num_writers=geom.num_writers,
+                      num_groups=max(geom.group_of_layer or [0]) + 1)
     per_rank = []
     for tp, pp, rank in geom.store_ranks:
         rcfg = EngineConfig.from_dict(raw_config, rank=rank)
@@ -283,7 +297,7 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
         return WorkerPipeline(cfg, caches=caches, layout=layout, store=store, io_queue=q, kernel=kernel,
                               checksum=segment_checksum, segment_bytes=geom.segment_bytes,
                               chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block,
-                              writes=geom.writes, mac=mac, foreign=foreign)
+                              writes=geom.writes, mac=mac, foreign=foreign, group_of_layer=geom.group_of_layer)
     except Exception:
         store.close()
         q.close()

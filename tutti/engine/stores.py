@@ -99,17 +99,28 @@ class StorePipeline:
             run.free_slots, free_slots, run.t0 = free_slots, [], t0
             self.writer.submit(lambda run=run: self._write(run))
 
+    def _gather_into(self, group: list[StoreChunk], out: torch.Tensor) -> None:
+        """Every layer of these chunks into `out` ([n, L, seg], chunk-major): one launch, or with
+        several KV cache groups (hybrid models) one launch per group's layers."""
+        ctx, n, L = self.ctx, len(group), self.ctx.num_layers
+        view = out.view(n, L, ctx.seg)
+        if ctx.num_groups == 1:
+            ctx.gather(ctx.caches, [st.block_ids for st in group], view.transpose(0, 1))
+            return
+        for layer in range(L):
+            ctx.gather([ctx.caches[layer]], [ctx.blocks_for(st.block_ids, layer) for st in group],
+                       view[:, layer:layer + 1].transpose(0, 1))
+
     def _gather(self, first: int, group: list[StoreChunk], compute_done) -> _Run:
         ctx, n, L = self.ctx, len(group), self.ctx.num_layers
-        blocks = [st.block_ids for st in group]
         host = self.arena.host_view(first, n)
         if not ctx.cuda:
-            ctx.gather(ctx.caches, blocks, host.view(n, L, ctx.seg).transpose(0, 1))
+            self._gather_into(group, host)
             return _Run(first, group, ctx.checksum(host.view(n * L, ctx.seg)))
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(compute_done)
             dev = self.arena.device_view(first, n)
-            ctx.gather(ctx.caches, blocks, dev.view(n, L, ctx.seg).transpose(0, 1))
+            self._gather_into(group, dev)
             sums = ctx.checksum(dev.view(n * L, ctx.seg))
             host.copy_(dev, non_blocking=True)
             sums_host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)

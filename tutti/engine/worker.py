@@ -37,10 +37,12 @@ class WorkerPipeline:
     def __init__(self, cfg: EngineConfig, *, caches: Sequence[torch.Tensor], layout, store, io_queue: IOQueue,
                  kernel, checksum: Callable[[torch.Tensor], torch.Tensor], segment_bytes: int,
                  chunk_tokens: int, kernel_blocks_per_block: int = 1, staging: torch.Tensor | None = None,
-                 writes: bool = True, mac=None, foreign=None) -> None:
+                 writes: bool = True, mac=None, foreign=None, group_of_layer: list[int] | None = None) -> None:
         self.cfg = cfg
+        if group_of_layer is not None and len(group_of_layer) != len(caches):
+            raise ValueError(f"group_of_layer: {len(group_of_layer)} entries for {len(caches)} layers")
         self.ctx = WorkerContext(cfg, list(caches), layout, store, io_queue, kernel, checksum, segment_bytes,
-                                 chunk_tokens, kernel_blocks_per_block, writes, mac)
+                                 chunk_tokens, kernel_blocks_per_block, writes, mac, group_of_layer)
         slot_bytes = cfg.staging_slot_bytes
         if segment_bytes > slot_bytes:
             raise ValueError(
@@ -187,7 +189,7 @@ class WorkerPipeline:
             ctx.gather(ctx.caches, blocks, whole.view(1, ctx.num_layers, ctx.seg).transpose(0, 1))
             ctx.checksum(whole.view(ctx.num_layers, ctx.seg))
         if bpc > 1:  # a partial chunk: every block is block 0, so its bytes come back unchanged
-            self.loads._scatter_partial(0, seg, LoadChunk("warm-up", b"", 0, tuple(blocks[0]), skip_blocks=1))
+            self.loads._scatter_partial(0, seg, tuple(blocks[0]), 1)
         map_all = getattr(self.store, "map_all", None)
         self.mapped_bytes = map_all() if map_all is not None else 0  # RAM roots: pin the stored pages now
         if ctx.cuda:

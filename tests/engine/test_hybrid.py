@@ -1,0 +1,77 @@
+"""Hybrid models (several KV cache groups: full and sliding-window attention) through the real
+worker pipeline: each layer's blocks come from its group's block list, a sliding-window group's
+blocks before the window (vLLM's null block, id 0) are never written, and a failed load reports
+every group's real blocks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk
+from tutti.engine.planner import Planner
+from tutti.engine.session import build_worker
+from tutti.kernels import PagedLayout
+
+from test_worker import B, L, config, geometry, make_caches, run_step, views
+
+GROUPS = "0:sw64,1:full,0:sw64"  # layers 0 and 2 in a sliding-window group, layer 1 full attention
+
+
+def hybrid_geometry():
+    return replace(geometry(), groups=GROUPS)
+
+
+def worker(root, caches, **kw):
+    v = views(caches)
+    layout = PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim"))
+    return build_worker(config(root, **kw), hybrid_geometry(), caches=v, layout=layout)
+
+
+def test_each_layer_moves_its_groups_blocks_and_never_the_null_block(tmp_path):
+    assert L == 3 and hybrid_geometry().group_of_layer == [0, 1, 0]
+    src = make_caches(0)
+    w = worker(tmp_path, src)
+    # chunk blocks: group 0 (2, 3), then group 1 (10, 11)
+    run_step(w, StepPlan(1, stores=[StoreChunk("r", b"k" * 32, 4, (2, 3, 10, 11), ticket=1)]))
+    w.flush()
+    assert w.take_report().stored == [1]
+    w.close()
+    dst = make_caches(1)
+    before = [c.clone() for c in dst]
+    w = worker(tmp_path, dst)
+    # the sliding-window group lost the chunk's first block (null block 0); full attention has both
+    run_step(w, StepPlan(2, loads=[LoadChunk("q", b"k" * 32, 4, (0, 5, 12, 13))]))
+    assert w.take_failed_blocks() == set()
+    for layer in (0, 2):
+        assert torch.equal(dst[layer][5], src[layer][3])  # the window's block, from group 0's list
+        assert torch.equal(dst[layer][0], before[layer][0])  # the null block is never written
+        assert torch.equal(dst[layer][[12, 13]], before[layer][[12, 13]])  # group 1's blocks: not this layer's
+    assert torch.equal(dst[1][[12, 13]], src[1][[10, 11]])
+    assert torch.equal(dst[1][[0, 5]], before[1][[0, 5]])
+    w.close()
+
+
+def test_a_failed_hybrid_load_reports_every_groups_real_blocks(tmp_path):
+    w = worker(tmp_path, make_caches(1))
+    run_step(w, StepPlan(2, loads=[LoadChunk("q", b"missing" * 4 + b"0000", 7, (0, 5, 12, 13))]))
+    assert w.take_failed_blocks() == {5, 12, 13}
+    w.close()
+
+
+def test_the_planner_keeps_one_block_list_per_group_and_stores_only_whole_chunks(tmp_path):
+    p = Planner(num_slots=16, chunk_tokens=32, block_size=16, seed=b"s" * 32, num_groups=2)
+    toks = list(range(100, 100 + 3 * 32 + 1))
+    assert p.match("r", toks, 0) == 0
+    p.on_alloc("r", ([1, 2, 3, 4], [20, 21, 22, 23]), 0)
+    plan = p.build_step({"r": 64}, {"r": 0})
+    assert [st.block_ids for st in plan.stores] == [(1, 2, 20, 21), (3, 4, 22, 23)]
+    # the next chunk: its sliding-window blocks were already dropped (null): not stored
+    p.update_request("r", new_block_ids=([0, 0], [24, 25]))
+    p.update_request("r", all_block_ids=([0, 0, 0, 0, 0, 6], [20, 21, 22, 23, 24, 25]))
+    plan = p.build_step({"r": 33}, {"r": 64})
+    assert plan.stores == [] and p.stats.stores_declined == 1
+    with pytest.raises(ValueError, match="block ids for 1 KV cache groups; this planner has 2"):
+        p.on_alloc("r", [1, 2], 0)
