@@ -75,3 +75,26 @@ def test_the_planner_keeps_one_block_list_per_group_and_stores_only_whole_chunks
     assert plan.stores == [] and p.stats.stores_declined == 1
     with pytest.raises(ValueError, match="block ids for 1 KV cache groups; this planner has 2"):
         p.on_alloc("r", [1, 2], 0)
+
+
+def test_a_sliding_window_layer_reads_only_the_chunks_inside_its_window(tmp_path):
+    """Two chunks hit; the sliding-window group holds only the second one's blocks: its layers read
+    one segment each, the full-attention layer both (4 reads, not 6)."""
+    from test_worker import RecordingQueue
+
+    src = make_caches(0)
+    w = worker(tmp_path, src)
+    run_step(w, StepPlan(1, stores=[StoreChunk("r", b"a" * 32, 1, (2, 3, 10, 11), ticket=1),
+                                    StoreChunk("r", b"b" * 32, 2, (4, 5, 14, 15), ticket=2)]))
+    w.flush()
+    w.close()
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, staging_bytes=16 * 4096, staging_slots=16)  # one segment a slot: one read a segment
+    w.queue = RecordingQueue(w.queue)
+    loads = [LoadChunk("q", b"a" * 32, 1, (0, 0, 12, 13)), LoadChunk("q", b"b" * 32, 2, (6, 7, 16, 17))]
+    run_step(w, StepPlan(2, loads=loads))
+    assert w.take_failed_blocks() == set() and w.queue.reads == 4
+    for layer in (0, 2):
+        assert torch.equal(dst[layer][[6, 7]], src[layer][[4, 5]])
+    assert torch.equal(dst[1][[12, 13, 16, 17]], src[1][[10, 11, 14, 15]])
+    w.close()

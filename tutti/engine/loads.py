@@ -31,10 +31,10 @@ from tutti.io.queue import READ, IOFuture, IORequest, submit_all
 
 @dataclass
 class _Item:
-    """One layer of a group of consecutive loads (`first` is the group's index in the step)."""
+    """One layer of a group of the step's loads (`idx`: their indices in the step's loads)."""
 
     layer: int
-    first: int
+    idx: list[int]
     chunks: list[LoadChunk]
     slot: StagingSlot | None = None
     futures: list[IOFuture] = field(default_factory=list)
@@ -109,8 +109,14 @@ class LoadPipeline:
                 self._bad = torch.zeros((len(self._loads), ctx.num_layers), dtype=torch.bool, device=ctx.device)
         first = self._load_mapped() if self.maps and ctx.num_groups == 1 else 0  # one block list for all layers
         for layer in range(ctx.num_layers):
-            for i in range(first, len(self._loads), self.per_slot):
-                self._items.append(_Item(layer, i, self._loads[i:i + self.per_slot]))
+            # a sliding-window layer reads only the chunks with blocks inside the window at the hit's
+            # end: the rest of its segments are neither read nor scattered (hybrid models)
+            todo = [i for i in range(first, len(self._loads))
+                    if ctx.group_of_layer is None or ctx.skip_for(self._loads[i].block_ids, self._loads[i].skip_blocks,
+                                                                  layer) < len(ctx.blocks_for(self._loads[i].block_ids, layer))]
+            for k in range(0, len(todo), self.per_slot):
+                idx = todo[k:k + self.per_slot]
+                self._items.append(_Item(layer, idx, [self._loads[i] for i in idx]))
         if layerwise:
             self._pump(ctx.cfg.lookahead - 1)
         else:
@@ -386,9 +392,14 @@ class LoadPipeline:
                     src = slot.device[: n * seg].view(n, seg)
                 if self._bad is not None:
                     with nvtx_range("verify", item.layer):
-                        want = ctx.index([as_signed64(self._sums[item.first + i][item.layer]) for i in range(n)])
-                        bad = self._bad[item.first:item.first + n, item.layer]
-                        torch.logical_or(bad, ctx.checksum(src) != want, out=bad)
+                        want = ctx.index([as_signed64(self._sums[j][item.layer]) for j in item.idx])
+                        lo = item.idx[0]
+                        if item.idx == list(range(lo, lo + n)):  # consecutive loads: one slice, in place
+                            bad = self._bad[lo:lo + n, item.layer]
+                            torch.logical_or(bad, ctx.checksum(src) != want, out=bad)
+                        else:
+                            rows = ctx.index(item.idx)
+                            self._bad[rows, item.layer] = self._bad[rows, item.layer] | (ctx.checksum(src) != want)
                 with nvtx_range("scatter", item.layer):
                     layer = item.layer
                     skips = {i: ctx.skip_for(ld.block_ids, ld.skip_blocks, layer) for i, ld in good}
@@ -434,7 +445,7 @@ class LoadPipeline:
         ok = []
         with nvtx_range("verify", item.layer):
             for i, ld in good:
-                want = self._sums[item.first + i][item.layer]
+                want = self._sums[item.idx[i]][item.layer]
                 data = item.mapped[i].numpy() if i in item.mapped else host[i * seg:(i + 1) * seg]
                 if ctx.mac.tag(ld.key, item.layer, data) != want:
                     self._fail(ld, f"keyed tag mismatch in layer {item.layer}: not written by a holder of the secret")

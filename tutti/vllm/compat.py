@@ -179,14 +179,70 @@ def geometry(vllm_config: Any, chunk_tokens: int) -> Geometry:
     )
 
 
-def check_single_group(kv_cache_config: Any) -> None:
-    groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if groups is not None and len(groups) > 1:
-        raise ValueError(
-            f"TuttiConnectorV1: this model has {len(groups)} KV cache groups (hybrid attention, e.g. sliding "
-            "window or Mamba layers); tutti supports one group until hybrid support lands. Serve it without "
-            "the connector, or with --disable-hybrid-kv-cache-manager if every layer can share one spec."
-        )
+# ------------------------------------------------------------------ hybrid models (KV cache groups)
+# vLLM's hybrid KV cache manager (HMA) gives a model several KV cache groups, each with its own
+# block table. tutti declares SupportsHMA on every version that has it (0.26 onwards), so vLLM
+# keeps HMA on; each group must be full or sliding-window attention.
+HMA_MIXINS: tuple[type, ...] = (_kvbase.SupportsHMA,) if hasattr(_kvbase, "SupportsHMA") else ()
+
+
+def kv_groups(kv_cache_config: Any) -> list[tuple[str, list[str]]]:
+    """(kind, layer names) of each KV cache group: kind "full" or "sw<window>". A group of any
+    other kind (Mamba or linear-attention state, chunked local attention, ...) stops the server
+    with a message naming it: its pages are not KV by token, so a chunk could not be cut from them."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    out = []
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        name = type(spec).__name__
+        window = getattr(spec, "sliding_window", None)
+        if name in ("FullAttentionSpec", "MLAAttentionSpec"):
+            kind = "full"
+        elif name == "SlidingWindowSpec" and isinstance(window, int) and window > 0:
+            kind = f"sw{window}"
+        else:
+            what = ("a Mamba/linear-attention state group" if "Mamba" in name else f"a {name} group")
+            raise ValueError(
+                f"TuttiConnectorV1: KV cache group {i} of this model is {what} (layers "
+                f"{list(g.layer_names)[:4]}{'...' if len(g.layer_names) > 4 else ''}); tutti stores full and "
+                "sliding-window attention only. Serve this model without the connector (state-space and "
+                "other non-attention groups are not supported yet)")
+        out.append((kind, list(g.layer_names)))
+    return out
+
+
+def layer_order(names: Sequence[str]) -> list[str]:
+    """Attention layer names in model order (by layer index): the order of a chunk's segments
+    for a hybrid model, the same on the scheduler (from the groups) and the workers (from the
+    registered tensors)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    def index(n: str) -> tuple[int, str]:
+        try:
+            return extract_layer_index(n), n
+        except Exception:  # noqa: BLE001 - a name without an index sorts after, by name
+            return 1 << 30, n
+
+    return sorted(names, key=index)
+
+
+def groups_string(groups: list[tuple[str, list[str]]]) -> str:
+    """Geometry.groups for these groups ("" when one full-attention group: nothing changes)."""
+    if len(groups) <= 1 and all(kind == "full" for kind, _ in groups):
+        return ""
+    group_of = {name: (i, kind) for i, (kind, names) in enumerate(groups) for name in names}
+    return ",".join(f"{group_of[n][0]}:{group_of[n][1]}" for n in layer_order(list(group_of)))
+
+
+def all_groups(block_ids: Any) -> list[list[int]]:
+    """vLLM's per-group block ids (a tuple of lists; KVCacheBlocks via get_block_ids()) as lists."""
+    if block_ids is None:
+        return []
+    if hasattr(block_ids, "get_block_ids"):
+        block_ids = block_ids.get_block_ids()
+    if isinstance(block_ids, (tuple, list)) and block_ids and isinstance(block_ids[0], (list, tuple)):
+        return [list(g) for g in block_ids]
+    return [list(block_ids)]
 
 
 # ------------------------------------------------------------------ layout discovery

@@ -12,6 +12,7 @@ layer by layer (tutti.engine.worker). This module only translates callbacks.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
@@ -56,15 +57,20 @@ class TuttiWorkerMetadata(compat.WorkerMetadataBase):
         return TuttiWorkerMetadata(self.report.merge(other.report))
 
 
-class TuttiConnectorV1(KVConnectorBase_V1):
+class TuttiConnectorV1(KVConnectorBase_V1, *compat.HMA_MIXINS):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         compat.init_base(self, vllm_config, role, kv_cache_config)
         self._extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         # Validate the config before anything touches the disk: errors name key, value, range.
         self._cfg = EngineConfig.from_dict(self._extra, rank=compat.worker_rank(vllm_config))
-        compat.check_single_group(kv_cache_config)
+        # hybrid models: full and sliding-window groups (anything else stops here, named)
+        groups = compat.kv_groups(kv_cache_config)
+        geom = compat.geometry(vllm_config, self._cfg.chunk_tokens)
+        if groups:
+            geom = replace(geom, groups=compat.groups_string(groups))
+        self._hybrid = bool(geom.groups)
         # validates the secret (if any) before any IO; the namespace of a keyed store is its own
-        self._geom = with_integrity(compat.geometry(vllm_config, self._cfg.chunk_tokens), segment_mac(self._cfg))
+        self._geom = with_integrity(geom, segment_mac(self._cfg))
         check_geometry(self._cfg, self._geom)  # chunk vs block size, capacity, staging: before any IO
         self._planner = None
         self._worker = None
@@ -112,7 +118,11 @@ class TuttiConnectorV1(KVConnectorBase_V1):
     # ================================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.shutdown()  # registered again (a new engine in this process): release the old store first
-        names = list(kv_caches)
+        # a hybrid model's segments follow the model's layer order, as its namespace says
+        names = compat.layer_order(list(kv_caches)) if self._hybrid else list(kv_caches)
+        if self._hybrid and len(names) != len(self._geom.groups.split(",")):
+            raise ValueError(f"TuttiConnectorV1: {len(names)} KV cache tensors registered for "
+                             f"{len(self._geom.groups.split(','))} attention layers in the KV cache groups")
         self._layer_index = {n: i for i, n in enumerate(names)}
         caches = [kv_caches[n] for n in names]
         layout, views, kbpb = compat.discover_layout(self._vllm_config, caches, layer_name=names[0])
@@ -211,7 +221,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         assert self._planner is not None
-        self._planner.on_alloc(request.request_id, compat.block_ids_of(blocks), num_external_tokens)
+        self._planner.on_alloc(request.request_id, self._blocks(blocks), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._planner is not None
@@ -221,7 +231,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             p.preempted(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             p.update_request(new.req_id, tokens=new.prompt_token_ids or [],
-                             all_block_ids=compat.first_group(new.block_ids))
+                             all_block_ids=self._blocks(new.block_ids))
             computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
@@ -229,9 +239,9 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             blocks = cached.new_block_ids[i]
             if blocks is not None:
                 if req_id in resumed:
-                    p.update_request(req_id, all_block_ids=compat.first_group(blocks))
+                    p.update_request(req_id, all_block_ids=self._blocks(blocks))
                 else:
-                    p.update_request(req_id, new_block_ids=compat.first_group(blocks))
+                    p.update_request(req_id, new_block_ids=self._blocks(blocks))
             computed[req_id] = cached.num_computed_tokens[i]
         if self._cfg.store_decode:
             for req_id in scheduler_output.num_scheduled_tokens:
@@ -249,6 +259,15 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, TuttiWorkerMetadata):
             self._planner.on_report(meta.report)
+
+    def _blocks(self, block_ids: Any) -> list:
+        """vLLM's block ids for the planner: every group's for a hybrid model, else the one group's."""
+        return compat.all_groups(block_ids) if self._hybrid else compat.block_ids_of(block_ids)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """SupportsHMA: vLLM calls this instead of request_finished once tutti declares hybrid support."""
+        return self.request_finished(request, [])
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._planner is not None
