@@ -57,7 +57,7 @@ class TuttiWorkerMetadata(compat.WorkerMetadataBase):
         return TuttiWorkerMetadata(self.report.merge(other.report))
 
 
-class TuttiConnectorV1(KVConnectorBase_V1, *compat.HMA_MIXINS):
+class TuttiConnectorV1(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         compat.init_base(self, vllm_config, role, kv_cache_config)
         self._extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
@@ -65,6 +65,11 @@ class TuttiConnectorV1(KVConnectorBase_V1, *compat.HMA_MIXINS):
         self._cfg = EngineConfig.from_dict(self._extra, rank=compat.worker_rank(vllm_config))
         # hybrid models: full and sliding-window groups (anything else stops here, named)
         groups = compat.kv_groups(kv_cache_config)
+        if len(groups) > 1 and not isinstance(self, compat.HMA_MIXINS or ()):
+            raise ValueError(
+                f"TuttiConnectorV1: this model has {len(groups)} KV cache groups (vLLM's hybrid KV cache manager is "
+                "on); use \"kv_connector\": \"TuttiHybridConnectorV1\" for hybrid models, or let vLLM turn the "
+                "hybrid manager off (the default with TuttiConnectorV1)")
         geom = compat.geometry(vllm_config, self._cfg.chunk_tokens)
         if groups:
             geom = replace(geom, groups=compat.groups_string(groups))
@@ -316,3 +321,17 @@ class TuttiConnectorV1(KVConnectorBase_V1, *compat.HMA_MIXINS):
     @property
     def worker(self):
         return self._worker
+
+
+class TuttiHybridConnectorV1(TuttiConnectorV1, *compat.HMA_MIXINS):
+    """TuttiConnectorV1 with vLLM's hybrid KV cache manager kept on (SupportsHMA): models with
+    sliding-window layers beside full attention keep one block table per KV cache group, and a
+    sliding-window layer stores every chunk but loads only the chunks inside its window at the
+    hit's end. Mamba/linear-attention state groups are refused at start.
+
+    Opt-in, because of one limit of vLLM (0.32): with several KV cache groups a synchronous load
+    that fails (a corrupted or vanished chunk) cannot be reported block by block; vLLM then stops
+    the engine with a RuntimeError instead of recomputing ("fails closed": no wrong KV is ever
+    served, but the server goes down). Reporting such failures per request needs asynchronous
+    loads, not built yet.
+    """

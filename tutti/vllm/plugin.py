@@ -11,8 +11,9 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     registry = getattr(KVConnectorFactory, "_registry", {})
-    if "TuttiConnectorV1" not in registry:
-        KVConnectorFactory.register_connector("TuttiConnectorV1", "tutti.vllm.connector", "TuttiConnectorV1")
+    for name in ("TuttiConnectorV1", "TuttiHybridConnectorV1"):
+        if name not in registry:
+            KVConnectorFactory.register_connector(name, "tutti.vllm.connector", name)
     try:
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     except ImportError:  # a vLLM without tiered offloading

@@ -1,0 +1,114 @@
+"""A hybrid model on the real vLLM CPU engine with its hybrid KV cache manager ON
+(TuttiHybridConnectorV1): a tiny random Gemma 3 (three sliding-window layers, window 64, and one
+full-attention layer; vLLM makes four KV cache groups of it). Stored by one engine, loaded by a
+fresh one: hits, and greedy tokens equal to the same prompts without the connector. A corrupted
+chunk fails closed (vLLM 0.32 stops the engine: it cannot take block-level load failures with
+several groups); TuttiConnectorV1 leaves the hybrid manager off, as before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import harness
+
+CHUNK = 64  # tokens: two vLLM blocks of 32; the window (64 tokens) spans one chunk
+PROMPT = 5 * CHUNK + 7  # five whole chunks: a hit ends past several windows
+
+
+def gemma3(dir: Path) -> Path:
+    dir.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 256,
+           "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 2048, "sliding_window": 64,
+           "layer_types": ["sliding_attention"] * 3 + ["full_attention"], "rms_norm_eps": 1e-6,
+           "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 64,
+           "torch_dtype": "float32", "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+           "hidden_activation": "gelu_pytorch_tanh"}
+    (dir / "config.json").write_text(json.dumps(cfg))
+    return dir
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    pytest.importorskip("vllm")
+    return gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+def prompts():
+    return [[10 + (7 * i + 13 * s) % 1000 for i in range(PROMPT)] for s in range(3)]
+
+
+def hybrid_kv(root):
+    kvt = harness.kv_config(root, chunk=CHUNK, capacity="64MiB")
+    kvt["kv_connector"] = "TuttiHybridConnectorV1"
+    return kvt
+
+
+def run(model, kvt, ps):
+    llm = harness.make_llm(model, kv_transfer_config=kvt, skip_tokenizer_init=True, max_model_len=1024)
+    try:
+        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+        outs = harness.generate_ids(llm, ps, 6)
+        if kvt is not None:
+            harness.settle(llm)
+        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        stats = dict(vars(conn.planner.stats)) if kvt is not None else {}
+        return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs], groups, stats
+    finally:
+        harness.shutdown_llm(llm)
+
+
+def test_a_sliding_window_model_stores_and_hits_with_the_hybrid_manager_on(model, tmp_path):
+    ps = prompts()
+    want, _, groups, _ = run(model, None, ps)
+    kinds = sorted(type(g.kv_cache_spec).__name__ for g in groups)
+    assert len(groups) > 1 and "SlidingWindowSpec" in kinds and "FullAttentionSpec" in kinds
+    kvt = hybrid_kv(tmp_path / "kv")
+    got, cached, groups, s1 = run(model, kvt, ps)  # a fresh store: computed and stored
+    assert len(groups) > 1, "the hybrid KV cache manager was turned off with tutti connected"
+    assert got == want and cached == [0, 0, 0] and s1["stores_committed"] == 3 * 5
+    got, cached, _, s2 = run(model, kvt, ps)  # a fresh engine: every whole chunk is a hit
+    assert cached == [5 * CHUNK] * 3 and s2["loads_failed"] == 0
+    assert got == want
+    # a sliding-window layer read only the chunks inside its window at the hit's end (the last
+    # one), the full-attention layer all five: 3 x (5 + 3 x 1) of 3 x 5 x 4 segments
+    seg = s2["bytes_loaded"] // (3 * (5 + 3))
+    assert s2["bytes_loaded"] == 3 * (5 + 3) * seg
+
+
+def test_a_corrupted_chunk_of_a_hybrid_model_fails_closed(model, tmp_path):
+    """No wrong token ever comes out: vLLM 0.32 refuses a block-level load failure with several
+    KV cache groups and stops (run in a child process, as a server would go down)."""
+    ps = prompts()[:1]
+    root = tmp_path / "kv"
+    run(model, hybrid_kv(root), ps)
+    slab = next(root.rglob("slab-*.bin"))
+    data = bytearray(slab.read_bytes())
+    for off in range(4096, len(data), 8192):  # damage every chunk's layers
+        data[off] ^= 0x41
+    slab.write_bytes(bytes(data))
+    code = f"""
+import harness
+llm = harness.make_llm({str(model)!r}, kv_transfer_config={hybrid_kv(root)!r}, skip_tokenizer_init=True,
+                       max_model_len=1024)
+outs = harness.generate_ids(llm, {ps!r}, 6)
+print("TOKENS", [list(o.outputs[0].token_ids) for o in outs])
+"""
+    with pytest.raises(RuntimeError) as ei:
+        harness.run_in_subprocess(code)
+    assert "block-level load failures" in str(ei.value)
+
+
+def test_tutti_connector_v1_keeps_vllms_hybrid_manager_off(model, tmp_path):
+    """The default connector declares no hybrid support: vLLM turns the hybrid manager off (one
+    group, sliding-window layers kept as full attention) and tutti works as for any model."""
+    ps = prompts()[:1]
+    want, _, _, _ = run(model, None, ps)
+    kvt = harness.kv_config(tmp_path / "kv", chunk=CHUNK, capacity="64MiB")
+    got, _, groups, _ = run(model, kvt, ps)
+    assert len(groups) == 1 and got == want
+    got, cached, _, _ = run(model, kvt, ps)
+    assert cached == [5 * CHUNK] and got == want
