@@ -98,3 +98,35 @@ def test_a_sliding_window_layer_reads_only_the_chunks_inside_its_window(tmp_path
         assert torch.equal(dst[layer][[6, 7]], src[layer][[4, 5]])
     assert torch.equal(dst[1][[12, 13, 16, 17]], src[1][[10, 11, 14, 15]])
     w.close()
+
+
+def test_asynchronous_loads_report_each_request_received_or_failed(tmp_path):
+    """Hybrid hits load asynchronously: on their own thread and stream, the outcome per request
+    (vLLM recomputes a failed one); their pins are released under the plan's async step."""
+    src = make_caches(0)
+    w = worker(tmp_path, src)
+    run_step(w, StepPlan(1, stores=[StoreChunk("r", b"a" * 32, 1, (2, 3, 10, 11), ticket=1),
+                                    StoreChunk("r", b"b" * 32, 2, (4, 5, 14, 15), ticket=2)]))
+    w.flush()
+    w.close()
+    slab = next(tmp_path.rglob("slab-*.bin"))
+    with open(slab, "r+b") as f:  # damage chunk b (slot 2), layer 1
+        off = 2 * hybrid_geometry().slot_bytes + hybrid_geometry().segment_bytes + 7
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ 0x20]))
+    dst = make_caches(1)
+    w = worker(tmp_path, dst)
+    plan = StepPlan(2, async_step=3, async_loads=[LoadChunk("ok", b"a" * 32, 1, (6, 7, 12, 13)),
+                                                 LoadChunk("bad", b"b" * 32, 2, (8, 9, 16, 17))])
+    run_step(w, plan)
+    w.flush()
+    assert w.received_requests() == ({"ok"}, {"bad"})
+    assert w.take_failed_blocks() == set()  # never block by block: vLLM takes these per request
+    rep = w.take_report()
+    assert 3 in rep.steps_done and rep.load_failed == [b"b" * 32]
+    for layer in (0, 2):
+        assert torch.equal(dst[layer][[6, 7]], src[layer][[2, 3]])
+    assert torch.equal(dst[1][[12, 13]], src[1][[10, 11]])
+    w.close()

@@ -1,9 +1,10 @@
 """A hybrid model on the real vLLM CPU engine with its hybrid KV cache manager ON
 (TuttiHybridConnectorV1): a tiny random Gemma 3 (three sliding-window layers, window 64, and one
 full-attention layer; vLLM makes four KV cache groups of it). Stored by one engine, loaded by a
-fresh one: hits, and greedy tokens equal to the same prompts without the connector. A corrupted
-chunk fails closed (vLLM 0.32 stops the engine: it cannot take block-level load failures with
-several groups); TuttiConnectorV1 leaves the hybrid manager off, as before."""
+fresh one: hits (loaded asynchronously: vLLM takes failures of several-group models per request
+only), and greedy tokens equal to the same prompts without the connector; a corrupted chunk
+fails its request's load and vLLM recomputes it. TuttiConnectorV1 leaves the hybrid manager off,
+as before."""
 
 from __future__ import annotations
 
@@ -79,27 +80,20 @@ def test_a_sliding_window_model_stores_and_hits_with_the_hybrid_manager_on(model
     assert s2["bytes_loaded"] == 3 * (5 + 3) * seg
 
 
-def test_a_corrupted_chunk_of_a_hybrid_model_fails_closed(model, tmp_path):
-    """No wrong token ever comes out: vLLM 0.32 refuses a block-level load failure with several
-    KV cache groups and stops (run in a child process, as a server would go down)."""
-    ps = prompts()[:1]
+def test_a_corrupted_chunk_of_a_hybrid_model_is_recomputed(model, tmp_path):
+    ps = prompts()[:2]
+    want, _, _, _ = run(model, None, ps)
     root = tmp_path / "kv"
     run(model, hybrid_kv(root), ps)
     slab = next(root.rglob("slab-*.bin"))
+    seg = json.loads((slab.parent / "manifest.json").read_text())["segment_bytes"]
     data = bytearray(slab.read_bytes())
-    for off in range(4096, len(data), 8192):  # damage every chunk's layers
-        data[off] ^= 0x41
+    data[3 * seg + 100] ^= 0x41  # slot 0 (the first prompt's first chunk), layer 3: full attention, always read
+    data[0 * seg + 100] ^= 0x41  # and its layer 0: sliding window, outside the window at the hit's end: never read
     slab.write_bytes(bytes(data))
-    code = f"""
-import harness
-llm = harness.make_llm({str(model)!r}, kv_transfer_config={hybrid_kv(root)!r}, skip_tokenizer_init=True,
-                       max_model_len=1024)
-outs = harness.generate_ids(llm, {ps!r}, 6)
-print("TOKENS", [list(o.outputs[0].token_ids) for o in outs])
-"""
-    with pytest.raises(RuntimeError) as ei:
-        harness.run_in_subprocess(code)
-    assert "block-level load failures" in str(ei.value)
+    got, cached, _, s = run(model, hybrid_kv(root), ps)
+    assert got == want, "a damaged chunk reached an output"
+    assert s["loads_failed"] == 1 and cached[1] == 5 * CHUNK  # the other prompt still hit
 
 
 def test_tutti_connector_v1_keeps_vllms_hybrid_manager_off(model, tmp_path):

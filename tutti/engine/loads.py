@@ -66,6 +66,7 @@ class LoadPipeline:
         self._verified: object = None  # CUDA event: _bad_host holds the step's mismatches
         self._failed_keys: set[bytes] = set()
         self._failed_blocks: set[int] = set()
+        self._failed_log: set[bytes] = set()  # every key failed since take_failed_keys()
         self._stragglers: list[tuple[_Item, object]] = []  # (item, event) of reads that missed their deadline
         self._mapped_ready: object = None  # CUDA event: the chunk-major loads from mapped slabs are scattered
         self._mapped_pending = False  # chunk-major loads issued that no wait_layer has waited for yet
@@ -284,6 +285,10 @@ class LoadPipeline:
                 self._fail(ld, f"checksum mismatch in layer {first} (stored {sums[i][first]:#018x})")
                 self.forget(ld)
 
+    def take_failed_keys(self) -> set[bytes]:
+        out, self._failed_log = self._failed_log, set()
+        return out
+
     def take_failed_blocks(self) -> set[int]:
         self.resolve()
         out, self._failed_blocks = self._failed_blocks, set()
@@ -472,6 +477,7 @@ class LoadPipeline:
             log.warning("tutti: load of chunk %s for request %s failed: %s; vLLM recomputes it",
                         ld.key.hex()[:16], ld.req_id, why)
             self._failed_keys.add(ld.key)
+            self._failed_log.add(ld.key)
             with self.counters.lock:
                 self.counters.report.load_failed.append(ld.key)
         self._failed_blocks.update(self.ctx.written_blocks(ld.block_ids, ld.skip_blocks))

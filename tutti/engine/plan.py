@@ -46,9 +46,13 @@ class StepPlan:
     stores: list[StoreChunk] = field(default_factory=list)
     # Requests that have stores in flight: the worker reports them in get_finished once done.
     preempted: list[str] = field(default_factory=list)
+    # Loads vLLM does not wait for in this step (its asynchronous loads: the requests wait until
+    # the worker reports them received); their pins are released under `async_step`.
+    async_loads: list[LoadChunk] = field(default_factory=list)
+    async_step: int = 0
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.preempted)
+        return not (self.loads or self.stores or self.preempted or self.async_loads)
 
 
 @dataclass

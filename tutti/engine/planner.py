@@ -60,6 +60,7 @@ class _Request:
     identity: Identity | None = None  # what besides token ids the KV depends on (extra keys)
     unkeyed: bool = False  # identity unknown: never stored, never served
     hit_sources: list[tuple[str | None, int]] = field(default_factory=list)  # (writer or None, slot) per hit chunk
+    async_load: bool = False  # vLLM waits for the worker to report its loads received
 
 
 @dataclass
@@ -174,11 +175,15 @@ class Planner:
         bpc = self.blocks_per_chunk
         return tuple(b for g in r.block_ids for b in g[c * bpc:(c + 1) * bpc])
 
-    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """Blocks were allocated for the request; plan the loads of its external tokens."""
+    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int, *,
+                 async_load: bool = False) -> None:
+        """Blocks were allocated for the request; plan the loads of its external tokens.
+        `async_load`: vLLM does not schedule the request until its loads are reported received,
+        so they go out in the next step whether or not the request is scheduled."""
         r = self._reqs.get(req_id)
         if r is None:
             return
+        r.async_load = async_load
         r.block_ids = self._per_group(block_ids)
         if num_external_tokens <= 0 or r.hit_chunks == 0:
             return
@@ -294,6 +299,14 @@ class Planner:
             self._step_pins[plan.step] = pins
         if foreign_keys:
             self._step_foreign[plan.step] = foreign_keys
+        waiting = [r for r in self._reqs.values() if r.async_load and r.loads and r.req_id not in scheduled]
+        if waiting:
+            plan.async_step = next(self._steps)  # its own pins: released when the worker reports it done
+            for r in waiting:
+                plan.async_loads.extend(r.loads)
+                r.loads = []
+            self._step_pins[plan.async_step] = [ld.key for ld in plan.async_loads if ld.source is None]
+            self._step_foreign[plan.async_step] = [ld.key for ld in plan.async_loads if ld.source is not None]
         plan.preempted, self._preempted = self._preempted, []
         return plan
 

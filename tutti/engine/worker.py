@@ -55,8 +55,13 @@ class WorkerPipeline:
 
             staging = aligned_buffer(slot_bytes * cfg.staging_slots)
         # The first slots serve the rolling loads; the rest is the store arena, cut in whole chunks.
-        load_bytes = slot_bytes * (cfg.staging_slots - cfg.max_inflight_stores)
-        ring = StagingRing(staging[:load_bytes], slot_bytes, self.ctx.device)
+        load_slots = cfg.staging_slots - cfg.max_inflight_stores
+        load_bytes = slot_bytes * load_slots
+        # Hybrid models load asynchronously (tutti.engine.async_loads): a quarter of the load slots
+        # (at least one) are theirs, carved from the same registered buffer.
+        async_slots = max(1, load_slots // 4) if group_of_layer is not None and load_slots > 1 else 0
+        sync_bytes = load_bytes - async_slots * slot_bytes
+        ring = StagingRing(staging[:sync_bytes], slot_bytes, self.ctx.device)
         arena = RegionArena(staging, load_bytes, slot_bytes * cfg.max_inflight_stores, self.ctx.chunk_bytes,
                             self.ctx.device)
         io_queue.register_buffers([staging])
@@ -65,6 +70,13 @@ class WorkerPipeline:
         self.writer = Writer()
         self.foreign = foreign  # tutti.engine.sharing.ForeignStores (other writers of the namespace)
         self.loads = LoadPipeline(self.ctx, ring, self.journal, self.counters, self._forget, foreign)
+        self.async_loads = None
+        if async_slots:
+            from tutti.engine.async_loads import AsyncLoads
+
+            aring = StagingRing(staging[sync_bytes:load_bytes], slot_bytes, self.ctx.device)
+            self.async_loads = AsyncLoads(LoadPipeline(self.ctx, aring, self.journal, self.counters, self._forget,
+                                                       foreign))
         self.stores = StorePipeline(self.ctx, arena, self.journal, self.counters, self.writer)
         self._plan: StepPlan | None = None
         self._layerwise = True
@@ -128,6 +140,10 @@ class WorkerPipeline:
         if plan.loads or plan.stores:
             self.recent_steps.append((plan.step, layerwise, len(plan.loads), len(plan.stores)))
         self.loads.start(list(plan.loads), layerwise=layerwise)
+        if plan.async_loads:
+            if self.async_loads is None:  # a planner that loads asynchronously without hybrid groups: fail them
+                raise RuntimeError("asynchronous loads planned for a worker built without them")
+            self.async_loads.submit(plan.async_step, plan.async_loads)
         self.stores.planned(plan.stores)
 
     def wait_layer(self, layer: int) -> None:
@@ -207,6 +223,10 @@ class WorkerPipeline:
         self.loads.resolve()
         return self.counters.take_report()
 
+    def received_requests(self) -> tuple[set[str], set[str]]:
+        """Asynchronous loads: (requests received, requests that failed) since the last call."""
+        return self.async_loads.take() if self.async_loads is not None else (set(), set())
+
     def finished_requests(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose stores are all done, among those vLLM says have finished."""
         return self.stores.finished_requests(finished_req_ids)
@@ -218,7 +238,8 @@ class WorkerPipeline:
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until the writer has finished every queued store (tests, shutdown)."""
         deadline = time.monotonic() + timeout
-        while (self.writer.pending or self.stores.busy) and time.monotonic() < deadline:
+        while (self.writer.pending or self.stores.busy or (self.async_loads is not None and self.async_loads.pending)) \
+                and time.monotonic() < deadline:
             time.sleep(0.005)
 
     def close(self) -> None:
@@ -226,6 +247,8 @@ class WorkerPipeline:
             return
         self._closed = True
         self.flush()
+        if self.async_loads is not None:
+            self.async_loads.close()
         self.writer.close()
         self.queue.close()
         self.store.close()

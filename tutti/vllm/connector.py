@@ -74,6 +74,11 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         if groups:
             geom = replace(geom, groups=compat.groups_string(groups))
         self._hybrid = bool(geom.groups)
+        if self._hybrid and not compat.has_transfer_results():
+            raise ValueError(
+                f"TuttiHybridConnectorV1: vLLM {'.'.join(map(str, compat.vllm_version()))} cannot be told that an "
+                "asynchronous load failed (no KVConnectorTransferResults), so a damaged chunk could be served; "
+                "hybrid models need vLLM 0.32 or later with tutti, or TuttiConnectorV1 (hybrid manager off)")
         # validates the secret (if any) before any IO; the namespace of a keyed store is its own
         self._geom = with_integrity(geom, segment_mac(self._cfg))
         check_geometry(self._cfg, self._geom)  # chunk vs block size, capacity, staging: before any IO
@@ -185,7 +190,18 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         if self._worker is None:
             return None, None
         done = self._worker.finished_requests(set(finished_req_ids))
-        return (done or None), None
+        received, failed = self._worker.received_requests()  # failed: only where get_transfer_results is not
+        assert not failed, "asynchronous load failures need get_transfer_results (refused at start otherwise)"
+        return (done or None), received or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32+: stores done, asynchronous loads received, and those that failed (vLLM
+        recomputes those requests)."""
+        if self._worker is None:
+            return compat.make_transfer_results(set(), set())
+        done = self._worker.finished_requests(set(finished_req_ids))
+        received, failed = self._worker.received_requests()
+        return compat.make_transfer_results(done, received, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
@@ -222,11 +238,14 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._requests[request.request_id] = request  # its generated tokens, read each step
         if self._events is not None:
             self._events.add_request(request)
-        return n, False  # synchronous: loading is layer-wise inside the step
+        # synchronous: loading is layer-wise inside the step; a hybrid model's hits load
+        # asynchronously (vLLM takes their failures per request only, see TuttiHybridConnectorV1)
+        return n, bool(self._hybrid and n)
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         assert self._planner is not None
-        self._planner.on_alloc(request.request_id, self._blocks(blocks), num_external_tokens)
+        self._planner.on_alloc(request.request_id, self._blocks(blocks), num_external_tokens,
+                               async_load=self._hybrid)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._planner is not None
@@ -329,9 +348,8 @@ class TuttiHybridConnectorV1(TuttiConnectorV1, *compat.HMA_MIXINS):
     sliding-window layer stores every chunk but loads only the chunks inside its window at the
     hit's end. Mamba/linear-attention state groups are refused at start.
 
-    Opt-in, because of one limit of vLLM (0.32): with several KV cache groups a synchronous load
-    that fails (a corrupted or vanished chunk) cannot be reported block by block; vLLM then stops
-    the engine with a RuntimeError instead of recomputing ("fails closed": no wrong KV is ever
-    served, but the server goes down). Reporting such failures per request needs asynchronous
-    loads, not built yet.
+    Its hits load asynchronously (tutti.engine.async_loads): vLLM holds the request until the
+    worker reports it received, and with several KV cache groups it takes a failed load only per
+    request (get_transfer_results' failed_recving), never block by block; a failed request is
+    recomputed. vLLM 0.32 or later (the API that carries those failures).
     """
