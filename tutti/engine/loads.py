@@ -26,6 +26,7 @@ import torch
 from tutti.engine.context import Counters, JournalView, WorkerContext, as_signed64, log, nvtx_range
 from tutti.engine.plan import LoadChunk
 from tutti.engine.staging import StagingRing, StagingSlot
+from tutti.format import segment_bytes, token_span
 from tutti.io.queue import READ, IOFuture, IORequest, submit_all
 
 
@@ -467,9 +468,10 @@ class LoadPipeline:
         tok_bytes = ctx.seg_token_bytes
         t0 = skip * (ctx.chunk_tokens // bpc)
         n_tok = ctx.chunk_tokens - t0
-        need = -(-(n_tok * tok_bytes) // 4096) * 4096
+        need = segment_bytes(n_tok, tok_bytes)  # the tail as a segment of its own (padded)
+        start, end = token_span(t0, ctx.chunk_tokens, tok_bytes)
         part = torch.zeros(need, dtype=torch.uint8, device=seg.device)
-        part[: n_tok * tok_bytes].copy_(seg[t0 * tok_bytes: ctx.chunk_tokens * tok_bytes])
+        part[: end - start].copy_(seg[start:end])
         ctx.scatter([ctx.caches[layer]], [blocks[skip:]], part.view(1, 1, need))
 
     def _fail(self, ld: LoadChunk, why: str) -> None:

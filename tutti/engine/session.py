@@ -18,8 +18,7 @@ from tutti.io.rammap import RAM_FILESYSTEMS, fs_type
 log = logging.getLogger("tutti.engine")
 
 
-def round_up(n: int, to: int = 4096) -> int:
-    return -(-n // to) * to
+from tutti.format import FORMAT_VERSION, segment_bytes as _segment_bytes, slot_bytes as _slot_bytes  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -77,11 +76,11 @@ class Geometry:
 
     @property
     def segment_bytes(self) -> int:
-        return round_up(self.chunk_tokens * self.num_heads * self.content_bytes)
+        return _segment_bytes(self.chunk_tokens, self.num_heads * self.content_bytes)
 
     @property
     def slot_bytes(self) -> int:
-        return self.num_layers * self.segment_bytes
+        return _slot_bytes(self.num_layers, self.segment_bytes)
 
     @property
     def num_workers(self) -> int:
@@ -92,8 +91,6 @@ class Geometry:
 
     def fingerprint(self):
         from tutti.io.fingerprint import Fingerprint
-        from tutti.kernels import FORMAT_VERSION
-
         return Fingerprint(
             model=self.model, cache_dtype=self.cache_dtype, format_version=FORMAT_VERSION,
             chunk_tokens=self.chunk_tokens, num_layers=self.num_layers, num_heads=self.num_heads,
@@ -122,8 +119,6 @@ class Geometry:
 
     def seed(self) -> bytes:
         """Key seed: shared by all ranks (a chunk's key does not depend on the rank)."""
-        from tutti.kernels import FORMAT_VERSION
-
         return namespace_seed(self.model, self.cache_dtype, FORMAT_VERSION, self.chunk_tokens,
                               self.num_layers * self.pp_size, self.tp_size, self.pp_size, self._extra())
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 #: Segments are moved with direct IO, so each one must be a whole number of 4 KiB blocks.
-SEGMENT_ALIGN = 4096
+from tutti.format import SEGMENT_ALIGN  # noqa: E402
 
 _DTYPE_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _INT_FIELDS = (

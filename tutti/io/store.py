@@ -33,6 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from tutti.format import segment_offset, slot_bytes
 from tutti.io.fingerprint import Fingerprint
 from tutti.io.journal import Entry, Journal, fsync_dir
 from tutti.io.safefs import PRIVATE, Access, UnsafeFileError, check_fd, open_dir, open_file
@@ -173,7 +174,7 @@ class ChunkStore:
         self.writer = bool(writer)
         self.segment_bytes = fingerprint.segment_bytes
         self.num_layers = fingerprint.num_layers
-        self.slot_bytes = self.num_layers * self.segment_bytes
+        self.slot_bytes = slot_bytes(self.num_layers, self.segment_bytes)
         self.num_slots = capacity_bytes // self.slot_bytes
         if self.num_slots == 0:
             raise ValueError(
@@ -450,7 +451,7 @@ class ChunkStore:
             raise ValueError(f"layer={layer!r}: expected an int in [0, {self.num_layers}) (num_layers of the fingerprint)")
         r, slab, off = self._place(slot)
         with self._mutex:
-            return self._slab_fd(r, slab), off + layer * self.segment_bytes
+            return self._slab_fd(r, slab), off + segment_offset(layer, self.segment_bytes)
 
     def acquire(self, slot: int, layer: int = 0) -> tuple[int, int]:
         """location(), with the descriptor kept open until release(slot): what IO in flight holds."""
@@ -491,7 +492,7 @@ class ChunkStore:
         self._check_open()
         self._check_slot(slot)
         r, slab, off = self._place(slot)
-        off += layer * self.segment_bytes
+        off += segment_offset(layer, self.segment_bytes)
         n = self.segment_bytes if nbytes is None else nbytes
         with self._mutex:
             t = self._maps.get((r, slab))

@@ -16,7 +16,7 @@ from .conformance import ConformanceReport, check_variant
 from .layout import PagedLayout, infer_roles
 from .registry import KernelVariant, available_variants, get_variant, register_variant
 
-FORMAT_VERSION = 1
+from tutti.format import FORMAT_VERSION  # noqa: E402 - re-exported: the kernels write this format
 
 
 def gather(

@@ -15,12 +15,9 @@ from typing import Optional, Sequence
 
 import torch
 
-SEGMENT_ALIGN = 4096
+from tutti.format import SEGMENT_ALIGN, segment_bytes as _segment_bytes
+
 ROLES = ("block", "token", "head", "kv", "dim", "layer")
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 @dataclass(frozen=True)
@@ -69,7 +66,7 @@ class PagedLayout:
         """Bytes of one canonical segment of ``chunk_tokens`` tokens: T*H*C rounded up to 4 KiB."""
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens={chunk_tokens}: expected a positive int")
-        return _round_up(chunk_tokens * self.token_bytes, SEGMENT_ALIGN)
+        return _segment_bytes(chunk_tokens, self.token_bytes)
 
     def extent_bytes(self) -> int:
         """One past the last byte this layout touches, relative to the layer's base address."""

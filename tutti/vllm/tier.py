@@ -31,7 +31,7 @@ from typing import Any, Iterable
 from tutti.engine.config import parse_bytes, resolve_root
 from tutti.engine.index import ChunkIndex
 from tutti.io.fingerprint import Fingerprint
-from tutti.kernels import FORMAT_VERSION
+from tutti.format import FORMAT_VERSION, align_up
 from tutti.io.integrity import SegmentMac, load_secret
 from tutti.io.store import ChunkStore
 from tutti.vllm import compat
@@ -155,7 +155,7 @@ class TuttiTier(SecondaryTierManager):
         par = getattr(cfg, "parallel", None)
         tokens = getattr(spec, "tokens_per_block", None) or (getattr(spec, "block_size", 0),)
         bpc = getattr(spec, "blocks_per_chunk", 1) or 1
-        seg = -(-self._chunk_bytes // 4096) * 4096
+        seg = align_up(self._chunk_bytes)
         return Fingerprint(
             model=str(model), cache_dtype=dtype,
             format_version=FORMAT_VERSION, chunk_tokens=int(tokens[0]) * int(bpc), num_layers=1, num_heads=1,
