@@ -42,8 +42,10 @@ class Fingerprint:
     chunk_tokens: int  # T: tokens per chunk
     num_layers: int  # L: layers held by this rank (one segment each)
     num_heads: int  # H: KV heads on this rank
-    content_bytes: int  # C: meaningful bytes of one layer's segment
-    segment_bytes: int  # C rounded up to a 4 KiB multiple: the on-disk stride of a layer
+    content_bytes: int  # C: bytes of one head's K and V for one token (identity: what one row holds)
+    # The on-disk stride of a layer: for the engine tutti.format.segment_bytes(T, H x C), the
+    # T x H x C meaningful bytes padded to 4 KiB; the store only needs it 4 KiB-aligned and >= C.
+    segment_bytes: int
     tp_rank: int
     tp_size: int
     pp_rank: int
