@@ -219,7 +219,9 @@ def test_unexpected_errors_are_one_line_exit_2(store_root, monkeypatch, capsys):
     def boom(*a, **kw):
         raise TypeError("boom\nsecond line")
 
-    monkeypatch.setattr(cli, "open_namespaces", boom)
+    from tutti import storetools
+
+    monkeypatch.setattr(storetools, "open_namespaces", boom)
     rc, out, err = run_cli(capsys, "inspect", str(store_root))
     assert rc == 2 and not out and err.count("\n") == 1 and "TypeError: boom second line" in err
 

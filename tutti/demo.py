@@ -339,7 +339,7 @@ def run_demo(*, root: str | None = None, keep: bool = False, prompt_tokens: int 
                      and [r["first"] for r in first["rows"]] == [r["first"] for r in second["rows"]])
         say(f"identical tokens (run 2 from tutti vs run 1 computed): {'PASS' if identical else 'FAIL'}")
         say()
-        from tutti.cli import inspect_lines
+        from tutti.storetools import inspect_lines
 
         for line in inspect_lines([str(store_root)]):
             say(line)
