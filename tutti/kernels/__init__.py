@@ -11,9 +11,11 @@ from typing import Sequence
 
 import torch
 
+from .checks import CopyPlan, check_args, word_bytes
 from .checksum import segment_checksum, segment_checksum_torch, segment_checksum_triton
 from .conformance import ConformanceReport, check_variant
 from .layout import PagedLayout, infer_roles
+from .reference import kernel_block_ids, layer_byte_views
 from .registry import KernelVariant, available_variants, get_variant, register_variant
 
 from tutti.format import FORMAT_VERSION  # noqa: E402 - re-exported: the kernels write this format
@@ -62,4 +64,9 @@ __all__ = [
     "segment_checksum_triton",
     "check_variant",
     "ConformanceReport",
+    "check_args",
+    "CopyPlan",
+    "word_bytes",
+    "layer_byte_views",
+    "kernel_block_ids",
 ]

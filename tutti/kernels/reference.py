@@ -15,7 +15,10 @@ from .checks import CopyPlan, check_args
 from .layout import PagedLayout
 
 
-def _layer_views(caches: Sequence[torch.Tensor], layout: PagedLayout) -> list[torch.Tensor]:
+def layer_byte_views(caches: Sequence[torch.Tensor], layout: PagedLayout) -> list[torch.Tensor]:
+    """Each moved layer as a uint8 ``(blocks, tokens, heads, pieces, bytes)`` strided view of its
+    cache's storage (one per layer of `layout` in every tensor): index it with kernel block ids
+    and any dtype moves exactly. What a new variant can start from."""
     if isinstance(caches, torch.Tensor):
         caches = [caches]
     size = (layout.num_blocks, layout.block_size, layout.num_heads, layout.num_pieces, layout.piece_bytes)
@@ -30,7 +33,7 @@ def _layer_views(caches: Sequence[torch.Tensor], layout: PagedLayout) -> list[to
     return views
 
 
-def _kernel_block_ids(block_ids: torch.Tensor, k: int) -> torch.Tensor:
+def kernel_block_ids(block_ids: torch.Tensor, k: int) -> torch.Tensor:
     """Manager block m covers kernel blocks m*k .. m*k+k-1: (N, M) -> (N, M*k)."""
     ids = block_ids.to(torch.int64)
     if k == 1:
@@ -52,9 +55,9 @@ def gather(
     seg = plan.seg
     if plan.num_chunks == 0:
         return
-    kb = _kernel_block_ids(block_ids, kernel_blocks_per_block)
+    kb = kernel_block_ids(block_ids, kernel_blocks_per_block)
     d = plan.data_bytes
-    for l, v in enumerate(_layer_views(caches, layout)):
+    for l, v in enumerate(layer_byte_views(caches, layout)):
         seg[l, :, :d].copy_(v[kb].reshape(plan.num_chunks, d))
     if seg.shape[2] > d:
         seg[:, :, d:].zero_()
@@ -74,8 +77,8 @@ def scatter(
     seg = plan.seg
     if plan.num_chunks == 0:
         return
-    kb = _kernel_block_ids(block_ids, kernel_blocks_per_block).reshape(-1)
+    kb = kernel_block_ids(block_ids, kernel_blocks_per_block).reshape(-1)
     d = plan.data_bytes
     shape = (kb.numel(), layout.block_size, layout.num_heads, layout.num_pieces, layout.piece_bytes)
-    for l, v in enumerate(_layer_views(caches, layout)):
+    for l, v in enumerate(layer_byte_views(caches, layout)):
         v[kb] = seg[l, :, :d].reshape(shape)

@@ -3,6 +3,30 @@
 Register with one decorator (on a class with gather/scatter, or on a function returning a
 KernelVariant), or point at ``"package.module:attr"``; then check it with
 ``tutti.kernels.check_variant`` and select it by name in the engine's config.
+
+The contract a variant implements (both functions, same arguments)::
+
+    gather(caches, layout, block_ids, out, *, kernel_blocks_per_block=1, id_range=None, **tuning)
+    scatter(caches, layout, block_ids, src, *, kernel_blocks_per_block=1, id_range=None, **tuning)
+
+- ``caches``: a list of tensors as vLLM registered them (one per layer; a tensor may hold several
+  layers, ``layout.num_layers``); ``layout``: their ``PagedLayout`` (roles, strides in bytes).
+- ``block_ids``: int tensor ``(N, M)`` on the caches' device: chunk n is manager blocks
+  ``block_ids[n]``, each covering ``kernel_blocks_per_block`` kernel blocks.
+- ``out`` / ``src``: uint8 ``(L, N, S)`` segments, L = every layer of ``caches`` in order (the
+  engine passes ONE layer per call when it loads layer by layer, and ALL layers at once when it
+  gathers a step's stores or loads a whole step; strides may be chunk-major), S a segment's
+  bytes: the chunk's tokens in ``[token, head, content]`` order, zero padding after (gather
+  writes it) to a 4 KiB multiple (``tutti.format``).
+- ``id_range``: ``(min, max)`` of ``block_ids`` known on the host; take it (the engine passes
+  it) so the launcher never reads a device tensor back.
+Start from ``tutti.kernels.check_args`` (validates everything above from host values, naming
+the argument and the fix, and returns a ``CopyPlan``), ``layer_byte_views`` and
+``kernel_block_ids`` (the torch reference is built from them).
+
+Where it runs: Triton kernels need ``TRITON_INTERPRET=1`` on a machine without a GPU (set it
+before importing triton). A name registered in a notebook exists in that process only: a
+server (``kernel_variant`` in its config) needs ``"package.module:attr"``.
 """
 
 from __future__ import annotations
