@@ -211,7 +211,9 @@ def run_case(case: str, a) -> dict:
         # decode while storing: fresh long prompts whose chunks are written while they decode
         res["decode_itl_ms"] = itl(5000, a.decode_batch, a.decode_prompt, a.decode_tokens)
     try:
-        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        from tutti.vllm import compat
+
+        conn = compat.engine_connector(llm)
         planner = getattr(conn, "planner", None)
         if planner is not None:
             st = vars(planner.stats)

@@ -129,7 +129,12 @@ def make_llm(model_dir: str | os.PathLike, *, kv_transfer_config: dict[str, Any]
     import torch
     from vllm import LLM
     from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
 
+    # vLLM keeps the worker-side connector in a process global that only a clean engine shutdown
+    # clears; an engine that failed to start (a bad config) leaves it behind, and the next engine
+    # in this process would silently reuse it.
+    ensure_kv_transfer_shutdown()
     cuda = torch.cuda.is_available()
     args: dict[str, Any] = dict(
         model=str(model_dir), load_format="dummy", dtype="bfloat16" if cuda else "float32",
@@ -159,8 +164,10 @@ def generate_ids(llm, prompts: Sequence[Sequence[int]], max_tokens: int = 8):
 
 def connector_of(llm):
     """The scheduler-side TuttiConnectorV1 of an in-process engine (None without one)."""
+    from tutti.vllm import compat
+
     try:
-        return llm.llm_engine.engine_core.engine_core.scheduler.connector
+        return compat.engine_connector(llm)
     except AttributeError:
         return None
 

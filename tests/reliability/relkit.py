@@ -27,7 +27,7 @@ def tokens(outs) -> list[list[int]]:
 
 
 def connector_of(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+    return harness.connector(llm)
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ for batch in {batches!r}:  # one batch at a time: vLLM's CPU build mixes up base
     res += [dict(tokens=list(o.outputs[0].token_ids), cached=o.num_cached_tokens)
             for o in harness.generate_requests(llm, batch)]
 harness.settle(llm)
-conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+conn = harness.connector(llm)
 print("RESULT", json.dumps(dict(res=res, stats=vars(conn.planner.stats) if conn is not None else {{}})))
 harness.shutdown_llm(llm)
 """

@@ -23,7 +23,7 @@ PROMPT_LEN = CHUNKS * CHUNK + 3
 SERVER = """
 import json, sys, harness
 llm = harness.make_llm({model!r}, kv_transfer_config={kvt!r})
-conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+conn = harness.connector(llm)
 print("READY", flush=True)
 for line in sys.stdin:
     cmd = json.loads(line)

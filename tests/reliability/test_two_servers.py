@@ -29,7 +29,7 @@ print("READY", flush=True)
 sys.stdin.readline()
 harness.generate_ids(llm, {p2!r}, 4)
 harness.settle(llm)
-conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+conn = harness.connector(llm)
 print("STATS", json.dumps(vars(conn.planner.stats)), flush=True)
 harness.shutdown_llm(llm)
 """

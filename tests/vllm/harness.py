@@ -17,61 +17,22 @@ from pathlib import Path
 from typing import Any, Sequence
 
 # The generated model and the environment live in the package (the demo needs them too).
-from tutti.demo import BLOCK_SIZE, ENV_DEFAULTS, flush_worker, make_tiny_model, set_env, shutdown_llm  # noqa: E402,F401
+# One harness: the demo's (tutti/demo.py) engine, model and generation helpers.
+from tutti.demo import (  # noqa: E402,F401
+    BLOCK_SIZE, ENV_DEFAULTS, flush_worker, generate_ids, greedy, make_llm, make_tiny_model, set_env, shutdown_llm,
+)
 
 
-def make_llm(
-    model_dir: str | os.PathLike,
-    *,
-    kv_transfer_config: dict[str, Any] | None = None,
-    **kw: Any,
-):
-    """Start a ``vllm.LLM`` over ``model_dir`` tuned to start fast on this CPU.
+def scheduler(llm):
+    """The scheduler of an in-process engine (vLLM's private path lives in tutti.vllm.compat)."""
+    from tutti.vllm import compat
 
-    Keyword arguments override the defaults (dtype, max_model_len, seed, ...).
-    """
-    set_env()
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-
-    # vLLM keeps the worker-side connector in a process global that only a clean engine
-    # shutdown clears; an engine that failed to start (a bad-config test) leaves it behind,
-    # and the next engine in this process would silently reuse it.
-    ensure_kv_transfer_shutdown()
-    args: dict[str, Any] = dict(
-        model=str(model_dir),
-        load_format="dummy",
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        enforce_eager=True,
-        seed=0,
-        max_model_len=1024,
-        max_num_seqs=8,
-        max_num_batched_tokens=1024,
-        enable_prefix_caching=True,
-        disable_log_stats=True,
-    )
-    if kv_transfer_config is not None:
-        args["kv_transfer_config"] = (
-            kv_transfer_config if isinstance(kv_transfer_config, KVTransferConfig)
-            else KVTransferConfig(**kv_transfer_config))
-    args.update(kw)
-    return LLM(**args)
+    return compat.engine_scheduler(llm)
 
 
-def greedy(max_tokens: int = 8):
-    """Deterministic sampling params: greedy, fixed length, no detokenizing."""
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                          detokenize=False)
-
-
-def generate_ids(llm, prompts: Sequence[Sequence[int]], max_tokens: int = 8):
-    """Run prompts given as token ids; return the RequestOutputs in order."""
-    return llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
-                        greedy(max_tokens), use_tqdm=False)
+def connector(llm):
+    """The scheduler-side connector of an in-process engine."""
+    return scheduler(llm).connector
 
 
 def generate_requests(llm, reqs: Sequence[dict], max_tokens: int = 8):

@@ -29,7 +29,7 @@ def child_run(model_dir, kvt, prompts, max_tokens=8, **llm_kw) -> list[dict]:
         f"llm = harness.make_llm({str(model_dir)!r}, kv_transfer_config={kvt!r}, **{llm_kw!r})\n"
         f"outs = harness.generate_ids(llm, {prompts!r}, {max_tokens})\n"
         "harness.settle(llm)\n"
-        "conn = llm.llm_engine.engine_core.engine_core.scheduler.connector\n"
+        "conn = harness.connector(llm)\n"
         "print('RESULT', json.dumps([{'tokens': list(o.outputs[0].token_ids), 'cached': o.num_cached_tokens}"
         " for o in outs]))\n"
         "print('STATS', json.dumps(vars(conn.planner.stats)))\n"
@@ -60,7 +60,7 @@ def reference(tiny_model):
 
 
 def connector_of(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+    return harness.connector(llm)
 
 
 def test_store_then_load_in_a_fresh_process(tiny_model, tmp_path, reference):

@@ -161,7 +161,7 @@ def test_stored_and_removed_events_reach_zmq_subscribers(tiny_model, tmp_path, f
         assert sorted(removed) == sorted(ours_hashes)
         new = sub.events("BlockStored")[4:]
         assert [e.token_ids for e in new] == [b[c * CHUNK:(c + 1) * CHUNK] for c in range(4)]
-        assert llm.llm_engine.engine_core.engine_core.scheduler.connector.planner.stats.evictions == 4
+        assert harness.connector(llm).planner.stats.evictions == 4
     finally:
         harness.shutdown_llm(llm)
         sub.close()

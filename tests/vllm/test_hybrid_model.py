@@ -51,11 +51,11 @@ def hybrid_kv(root):
 def run(model, kvt, ps):
     llm = harness.make_llm(model, kv_transfer_config=kvt, skip_tokenizer_init=True, max_model_len=1024)
     try:
-        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+        groups = harness.scheduler(llm).kv_cache_config.kv_cache_groups
         outs = harness.generate_ids(llm, ps, 6)
         if kvt is not None:
             harness.settle(llm)
-        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        conn = harness.connector(llm)
         stats = dict(vars(conn.planner.stats)) if kvt is not None else {}
         return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs], groups, stats
     finally:

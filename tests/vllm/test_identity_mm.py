@@ -162,7 +162,7 @@ def run(color, max_tokens=8):
     req = {"prompt": TEXT, "multi_modal_data": {"image": Image.new("RGB", (28, 28), tuple(color))}}
     out = llm.generate([req], harness.greedy(max_tokens), use_tqdm=False)[0]
     harness.settle(llm)  # stores are durable and reported before the stats are read
-    stats = dict(vars(llm.llm_engine.engine_core.engine_core.scheduler.connector.planner.stats))
+    stats = dict(vars(harness.connector(llm).planner.stats))
     return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
             "prompt_len": len(out.prompt_token_ids)}, stats
 '''

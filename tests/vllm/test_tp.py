@@ -34,7 +34,7 @@ def flush_and_describe(worker):
     return {"tp_rank": w.store.fingerprint.tp_rank, "ns": w.store.namespaces[0], "entries": len(w.store.entries())}
 
 llm = harness.make_llm(MODEL, kv_transfer_config=KVT, tensor_parallel_size=2, distributed_executor_backend="mp")
-conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+conn = harness.connector(llm)
 
 def phase():
     before = conn.planner.stats.copy()  # this phase's counters only

@@ -34,6 +34,17 @@ def init_base(conn: Any, vllm_config: Any, role: Any, kv_cache_config: Any) -> N
     _kvbase.KVConnectorBase_V1.__init__(conn, vllm_config, role, kv_cache_config)
 
 
+def engine_scheduler(llm: Any) -> Any:
+    """The scheduler of an in-process vLLM engine (`vllm.LLM` with VLLM_ENABLE_V1_MULTIPROCESSING=0):
+    vLLM's private path to it, written here once for the demo, tests and benchmarks."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def engine_connector(llm: Any) -> Any:
+    """The scheduler-side KV connector of an in-process vLLM engine (see engine_scheduler)."""
+    return engine_scheduler(llm).connector
+
+
 def release_global_connector(conn: Any) -> None:
     """Unset vLLM's process-global worker connector if it is `conn`.
 
