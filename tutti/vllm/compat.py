@@ -34,6 +34,31 @@ def init_base(conn: Any, vllm_config: Any, role: Any, kv_cache_config: Any) -> N
     _kvbase.KVConnectorBase_V1.__init__(conn, vllm_config, role, kv_cache_config)
 
 
+try:  # vLLM 0.32+: the storage medium of KV events
+    from vllm.distributed.kv_events import MEDIUM_STORAGE as KV_EVENT_MEDIUM
+except ImportError:  # vLLM 0.26 names file-system tiers "FS"
+    from vllm.distributed.kv_events import MEDIUM_FS as KV_EVENT_MEDIUM
+
+
+def tier_medium() -> Any:
+    """The medium a secondary tier of the OffloadingConnector declares: an enum on vLLM 0.32+,
+    the KV event string on 0.26."""
+    try:
+        from vllm.v1.kv_offload.base import Medium
+
+        return Medium.STORAGE
+    except ImportError:
+        return KV_EVENT_MEDIUM
+
+
+def tier_job_slots(job: Any) -> list[int]:
+    """The CPU-tier slots of a tier transfer job (`block_ids` in vLLM 0.26, `chunk_ids` later)."""
+    ids = getattr(job, "chunk_ids", None)
+    if ids is None:
+        ids = job.block_ids
+    return [int(i) for i in ids]
+
+
 def engine_scheduler(llm: Any) -> Any:
     """The scheduler of an in-process vLLM engine (`vllm.LLM` with VLLM_ENABLE_V1_MULTIPROCESSING=0):
     vLLM's private path to it, written here once for the demo, tests and benchmarks."""

@@ -27,10 +27,6 @@ from typing import Any, Iterable, Sequence
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
-try:  # vLLM 0.32+
-    from vllm.distributed.kv_events import MEDIUM_STORAGE
-except ImportError:  # vLLM 0.26 names file-system tiers "FS"
-    from vllm.distributed.kv_events import MEDIUM_FS as MEDIUM_STORAGE
 from vllm.logger import init_logger
 
 from tutti.engine.keys import UnkeyableError, chunk_keys
@@ -38,7 +34,7 @@ from tutti.vllm import compat
 
 logger = init_logger("vllm.tutti.events")
 
-MEDIUM = MEDIUM_STORAGE  # "STORAGE": llm-d lower-cases it into the pod entry's device tier
+MEDIUM = compat.KV_EVENT_MEDIUM  # "STORAGE": llm-d lower-cases it into the pod entry's device tier
 
 
 @dataclass

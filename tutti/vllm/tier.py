@@ -50,17 +50,6 @@ RequestOffloadingContext = _tiering.RequestOffloadingContext if hasattr(_tiering
 _KNOWN = {"root", "roots", "capacity_bytes", "secret_file", "secret_env", "slots_per_slab", "io_threads", "locality"}
 
 
-def _medium():
-    try:  # vLLM 0.32: an enum; 0.26: the event string
-        from vllm.v1.kv_offload.base import Medium
-
-        return Medium.STORAGE
-    except ImportError:
-        from vllm.distributed.kv_events import MEDIUM_FS
-
-        return MEDIUM_FS
-
-
 def _resolved_dtype(raw: str) -> str:
     """The KV cache's element type: the tier's config says 'auto' when it follows the model's
     dtype, so resolve that from vLLM's config (fp16 and bf16 KV of one model are different
@@ -82,16 +71,8 @@ def _resolved_dtype(raw: str) -> str:
     return name
 
 
-def _job_slots(job) -> list[int]:
-    """The primary-tier slots of a job (`block_ids` in vLLM 0.26, `chunk_ids` later)."""
-    ids = getattr(job, "chunk_ids", None)
-    if ids is None:
-        ids = job.block_ids
-    return [int(i) for i in ids]
-
-
 class TuttiTier(SecondaryTierManager):
-    medium = _medium()
+    medium = compat.tier_medium()
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, backpressure_detector=None,
                  **config: Any) -> None:
@@ -187,14 +168,14 @@ class TuttiTier(SecondaryTierManager):
     def submit_store(self, job_metadata) -> None:
         keys = [self._key(k) for k in job_metadata.keys]
         res = self._index.plan_store(keys)
-        work = [(k, res.slots[k], s) for k, s in zip(keys, _job_slots(job_metadata)) if k in res.slots]
+        work = [(k, res.slots[k], s) for k, s in zip(keys, compat.tier_job_slots(job_metadata)) if k in res.slots]
         fut = self._pool.submit(self._store_chunks, work, res.evicted)
         self._jobs.append((job_metadata.job_id, fut, [k for k, _, _ in work], False))
 
     def submit_load(self, job_metadata) -> None:
         keys = [self._key(k) for k in job_metadata.keys]
         work = []
-        for k, s in zip(keys, _job_slots(job_metadata)):
+        for k, s in zip(keys, compat.tier_job_slots(job_metadata)):
             slot = self._index.slot_of(k)
             if slot is not None:
                 self._index.pin([k])
