@@ -77,17 +77,23 @@ def test_the_planner_keeps_one_block_list_per_group_and_stores_only_whole_chunks
         p.on_alloc("r", [1, 2], 0)
 
 
+def store_two_chunks(root):
+    """Chunks a (slot 1) and b (slot 2), each with two blocks per group; returns the caches."""
+    src = make_caches(0)
+    w = worker(root, src)
+    run_step(w, StepPlan(1, stores=[StoreChunk("r", b"a" * 32, 1, (2, 3, 10, 11), ticket=1),
+                                    StoreChunk("r", b"b" * 32, 2, (4, 5, 14, 15), ticket=2)]))
+    w.flush()
+    w.close()
+    return src
+
+
 def test_a_sliding_window_layer_reads_only_the_chunks_inside_its_window(tmp_path):
     """Two chunks hit; the sliding-window group holds only the second one's blocks: its layers read
     one segment each, the full-attention layer both (4 reads, not 6)."""
     from test_worker import RecordingQueue
 
-    src = make_caches(0)
-    w = worker(tmp_path, src)
-    run_step(w, StepPlan(1, stores=[StoreChunk("r", b"a" * 32, 1, (2, 3, 10, 11), ticket=1),
-                                    StoreChunk("r", b"b" * 32, 2, (4, 5, 14, 15), ticket=2)]))
-    w.flush()
-    w.close()
+    src = store_two_chunks(tmp_path)
     dst = make_caches(1)
     w = worker(tmp_path, dst, staging_bytes=16 * 4096, staging_slots=16)  # one segment a slot: one read a segment
     w.queue = RecordingQueue(w.queue)
@@ -103,12 +109,7 @@ def test_a_sliding_window_layer_reads_only_the_chunks_inside_its_window(tmp_path
 def test_asynchronous_loads_report_each_request_received_or_failed(tmp_path):
     """Hybrid hits load asynchronously: on their own thread and stream, the outcome per request
     (vLLM recomputes a failed one); their pins are released under the plan's async step."""
-    src = make_caches(0)
-    w = worker(tmp_path, src)
-    run_step(w, StepPlan(1, stores=[StoreChunk("r", b"a" * 32, 1, (2, 3, 10, 11), ticket=1),
-                                    StoreChunk("r", b"b" * 32, 2, (4, 5, 14, 15), ticket=2)]))
-    w.flush()
-    w.close()
+    src = store_two_chunks(tmp_path)
     slab = next(tmp_path.rglob("slab-*.bin"))
     with open(slab, "r+b") as f:  # damage chunk b (slot 2), layer 1
         off = 2 * hybrid_geometry().slot_bytes + hybrid_geometry().segment_bytes + 7
