@@ -39,40 +39,40 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------ stats objects
 def test_stats_aggregate_sums_counters_and_keeps_latest_gauge():
-    a = TuttiKVConnectorStats(data={"load_bytes": 100, "hit_tokens": 64, "capacity_used_bytes": 10})
-    b = TuttiKVConnectorStats(data={"load_bytes": 50, "store_bytes": 7, "capacity_used_bytes": 30})
+    a = TuttiKVConnectorStats(data={"bytes_loaded": 100, "hit_tokens": 64, "capacity_used_bytes": 10})
+    b = TuttiKVConnectorStats(data={"bytes_loaded": 50, "bytes_stored": 7, "capacity_used_bytes": 30})
     out = a.aggregate(b)
     assert out is a
-    assert a.data == {"load_bytes": 150, "hit_tokens": 64, "store_bytes": 7, "capacity_used_bytes": 30}
+    assert a.data == {"bytes_loaded": 150, "hit_tokens": 64, "bytes_stored": 7, "capacity_used_bytes": 30}
     assert a.aggregate(TuttiKVConnectorStats()).data == a.data  # empty other: unchanged
     red = a.reduce()
-    assert red["load_bytes"] == 150 and red["capacity_used_bytes"] == 30
+    assert red["bytes_loaded"] == 150 and red["capacity_used_bytes"] == 30
     a.reset()
     assert a.is_empty() and a.data == {}
 
 
 def test_stats_is_empty_and_reduce_rates():
-    assert TuttiKVConnectorStats(data={"load_bytes": 0}).is_empty()
+    assert TuttiKVConnectorStats(data={"bytes_loaded": 0}).is_empty()
     assert not TuttiKVConnectorStats(data={"capacity_used_bytes": 0}).is_empty()  # a gauge is news
     s = TuttiKVConnectorStats(data={"queried_tokens": 400, "hit_tokens": 100,
-                                    "load_bytes": 2_000_000_000, "load_seconds": 1.0})
+                                    "bytes_loaded": 2_000_000_000, "load_seconds": 1.0})
     r = s.reduce()
     assert r["hit_rate"] == 0.25 and r["load_GBps"] == 2.0
-    assert stats_from({"load_bytes": 0, "store_bytes": 0}) is None
-    assert stats_from({"load_bytes": 5, "store_bytes": 0}).data == {"load_bytes": 5}
+    assert stats_from({"bytes_loaded": 0, "bytes_stored": 0}) is None
+    assert stats_from({"bytes_loaded": 5, "bytes_stored": 0}).data == {"bytes_loaded": 5}
 
 
 def test_stats_refuse_unknown_fields_and_other_types():
     with pytest.raises(ValueError, match="unknown field 'load_byte'"):
         TuttiKVConnectorStats(data={"load_byte": 1})
     with pytest.raises(ValueError, match="expected a number"):
-        TuttiKVConnectorStats(data={"load_bytes": "1"})
+        TuttiKVConnectorStats(data={"bytes_loaded": "1"})
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
     other = OffloadingConnectorStats()
     other.increase_counter("x", 1)
     with pytest.raises(TypeError, match="OffloadingConnectorStats"):
-        TuttiKVConnectorStats(data={"load_bytes": 1}).aggregate(other)
+        TuttiKVConnectorStats(data={"bytes_loaded": 1}).aggregate(other)
 
 
 def test_stats_payload_survives_vllm_msgpack_and_rebuilds_through_the_connector_class():
@@ -81,7 +81,7 @@ def test_stats_payload_survives_vllm_msgpack_and_rebuilds_through_the_connector_
 
     from tutti.vllm.connector import TuttiConnectorV1
 
-    s = TuttiKVConnectorStats(data={"load_bytes": 3, "load_seconds": 0.5, "capacity_used_bytes": 9})
+    s = TuttiKVConnectorStats(data={"bytes_loaded": 3, "load_seconds": 0.5, "capacity_used_bytes": 9})
     wire = MsgpackEncoder().encode(s.to_dict())
     back = MsgpackDecoder(dict).decode(wire)
     rebuilt = TuttiConnectorV1.build_kv_connector_stats(back)
@@ -99,8 +99,8 @@ def test_scheduler_tracker_sends_deltas_and_gauges_only_on_change():
     assert t.take(ps, 0) is None  # nothing new
     ps.queried_tokens, ps.hit_tokens, ps.evictions, ps.loads_failed, ps.stores_committed = 300, 128, 2, 1, 4
     s = t.take(ps, 512)
-    assert s.data == {"queried_tokens": 300, "hit_tokens": 128, "evictions": 2, "failed_loads": 1,
-                      "stored_chunks": 4, "capacity_used_bytes": 512}
+    assert s.data == {"queried_tokens": 300, "hit_tokens": 128, "evictions": 2, "loads_failed": 1,
+                      "stores_committed": 4, "capacity_used_bytes": 512}
     ps.queried_tokens += 10
     assert t.take(ps, 512).data == {"queried_tokens": 10}
     assert ps.queried_tokens == 310  # the planner's own counters stay cumulative
@@ -122,9 +122,9 @@ def test_prom_metrics_observe_counts_and_sets_per_engine():
     reg, types = _private_metric_types()
     cfg = SimpleNamespace(kv_transfer_config=None)
     prom = TuttiPromMetrics(cfg, types, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
-    prom.observe({"store_bytes": 4096, "hit_tokens": 64, "capacity_used_bytes": 8192}, engine_idx=0)
-    prom.observe({"store_bytes": 4096, "capacity_used_bytes": 100}, engine_idx=0)
-    prom.observe({"store_bytes": 1}, engine_idx=1)
+    prom.observe({"bytes_stored": 4096, "hit_tokens": 64, "capacity_used_bytes": 8192}, engine_idx=0)
+    prom.observe({"bytes_stored": 4096, "capacity_used_bytes": 100}, engine_idx=0)
+    prom.observe({"bytes_stored": 1}, engine_idx=1)
     text = generate_latest(reg).decode()
     assert 'vllm:tutti_store_bytes_total{engine="0",model_name="m"} 8192.0' in text
     assert 'vllm:tutti_store_bytes_total{engine="1",model_name="m"} 1.0' in text

@@ -316,9 +316,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         and capacity. vLLM aggregates both into one payload (tutti.vllm.stats)."""
         if self._worker is not None:
             w = self._worker.take_stats()
-            return stats_from({"load_bytes": w["bytes_loaded"], "load_seconds": w["load_seconds"],
-                               "store_bytes": w["bytes_stored"], "store_seconds": w["store_seconds"],
-                               "skipped_stores": w["stores_skipped"]})
+            return stats_from(w)  # the engine's counter names are the metrics' fields
         if self._planner is not None:
             return self._sched_stats.take(self._planner.stats, self._planner.capacity_used_bytes())
         return None

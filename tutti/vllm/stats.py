@@ -38,24 +38,24 @@ class MetricDef:
 
 METRICS: tuple[MetricDef, ...] = (
     # worker side (summed over workers: with TP each rank moves its own share of the heads)
-    MetricDef("load_bytes", "vllm:tutti_load_bytes", COUNTER,
+    MetricDef("bytes_loaded", "vllm:tutti_load_bytes", COUNTER,
               "Bytes loaded from tutti's store into the KV cache (all workers)."),
     MetricDef("load_seconds", "vllm:tutti_load_seconds", COUNTER,
               "Seconds from the first read of a step's loads to its last layer landing, summed over workers."),
-    MetricDef("store_bytes", "vllm:tutti_store_bytes", COUNTER,
+    MetricDef("bytes_stored", "vllm:tutti_store_bytes", COUNTER,
               "Bytes written to tutti's store from the KV cache (all workers)."),
     MetricDef("store_seconds", "vllm:tutti_store_seconds", COUNTER,
               "Seconds from a store's first gather to its chunks being durable, summed over workers."),
-    MetricDef("skipped_stores", "vllm:tutti_skipped_stores", COUNTER,
+    MetricDef("stores_skipped", "vllm:tutti_skipped_stores", COUNTER,
               "Chunk stores skipped because the staging ring was full or a layer was missed (future misses)."),
     # scheduler side
     MetricDef("queried_tokens", "vllm:tutti_queried_tokens", COUNTER,
               "Prompt tokens looked up in tutti's index."),
     MetricDef("hit_tokens", "vllm:tutti_hit_tokens", COUNTER,
               "Tokens found in tutti's store beyond vLLM's own prefix cache (loaded instead of computed)."),
-    MetricDef("failed_loads", "vllm:tutti_failed_loads", COUNTER,
+    MetricDef("loads_failed", "vllm:tutti_failed_loads", COUNTER,
               "Chunks whose load failed (IO error or checksum mismatch); vLLM recomputed them."),
-    MetricDef("stored_chunks", "vllm:tutti_stored_chunks", COUNTER,
+    MetricDef("stores_committed", "vllm:tutti_stored_chunks", COUNTER,
               "Chunks committed to tutti's store (durable on every worker)."),
     MetricDef("evictions", "vllm:tutti_evictions", COUNTER,
               "Chunks evicted from tutti's store to make room for new ones."),
@@ -66,8 +66,8 @@ METRICS: tuple[MetricDef, ...] = (
 )
 
 BY_FIELD: dict[str, MetricDef] = {m.field: m for m in METRICS}
-WORKER_FIELDS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "skipped_stores")
-SCHEDULER_FIELDS = ("queried_tokens", "hit_tokens", "failed_loads", "stored_chunks", "evictions")
+WORKER_FIELDS = ("bytes_loaded", "load_seconds", "bytes_stored", "store_seconds", "stores_skipped")
+SCHEDULER_FIELDS = ("queried_tokens", "hit_tokens", "loads_failed", "stores_committed", "evictions")
 
 
 @dataclass
@@ -107,10 +107,10 @@ class TuttiKVConnectorStats(KVConnectorStats):
         out: dict[str, int | float] = {k: d[k] for k in BY_FIELD if k in d}
         if d.get("queried_tokens"):
             out["hit_rate"] = round(d.get("hit_tokens", 0) / d["queried_tokens"], 4)
-        for kind in ("load", "store"):
+        for kind, moved in (("load", "bytes_loaded"), ("store", "bytes_stored")):
             secs = d.get(f"{kind}_seconds", 0)
             if secs > 0:
-                out[f"{kind}_GBps"] = round(d.get(f"{kind}_bytes", 0) / secs / 1e9, 3)
+                out[f"{kind}_GBps"] = round(d.get(moved, 0) / secs / 1e9, 3)
         return out
 
     def is_empty(self) -> bool:
@@ -134,9 +134,7 @@ class SchedulerStatsTracker:
     steps send nothing.
     """
 
-    _FROM_PLANNER = {"queried_tokens": "queried_tokens", "hit_tokens": "hit_tokens",
-                     "failed_loads": "loads_failed", "stored_chunks": "stores_committed",
-                     "evictions": "evictions"}
+    # the planner's counters, under the same names as their metrics' fields (METRICS)
 
     def __init__(self, capacity_bytes: int) -> None:
         self._last: dict[str, int] = {}
@@ -145,8 +143,8 @@ class SchedulerStatsTracker:
 
     def take(self, planner_stats: Any, used_bytes: int) -> TuttiKVConnectorStats | None:
         values: dict[str, Any] = {}
-        for field, src in self._FROM_PLANNER.items():
-            now = getattr(planner_stats, src)
+        for field in SCHEDULER_FIELDS:
+            now = getattr(planner_stats, field)
             values[field] = now - self._last.get(field, 0)
             self._last[field] = now
         if used_bytes != self._last_used:
