@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk  # noqa: E402
-from tutti.engine.session import Geometry, build_worker  # noqa: E402
+from tutti.engine.build import Geometry, build_worker  # noqa: E402
 from tutti.kernels import PagedLayout  # noqa: E402
 
 BS, H, D = 16, 8, 128

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk  # noqa: E402
-from tutti.engine.session import Geometry, build_worker  # noqa: E402
+from tutti.engine.build import Geometry, build_worker  # noqa: E402
 from tutti.kernels import PagedLayout  # noqa: E402
 
 

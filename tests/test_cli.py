@@ -15,7 +15,7 @@ import torch
 
 from tutti import cli
 from tutti.engine.plan import StepPlan, StoreChunk
-from tutti.engine.session import Geometry, build_worker
+from tutti.engine.build import Geometry, build_worker
 from tutti.io.fingerprint import Fingerprint
 from tutti.io.store import ChunkStore, list_namespaces
 from tutti.kernels import PagedLayout

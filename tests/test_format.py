@@ -1,7 +1,7 @@
 """tutti.format: the one place that sizes, offsets and pads segments (docs/format.md)."""
 
 from tutti import format as fmt
-from tutti.engine.session import Geometry
+from tutti.engine.build import Geometry
 from tutti.kernels import PagedLayout
 
 

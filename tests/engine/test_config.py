@@ -153,7 +153,7 @@ def test_share_group_must_exist_and_hold_this_process():
 def test_share_group_gives_a_shared_access():
     import grp
 
-    from tutti.engine.session import store_access
+    from tutti.engine.build import store_access
     from tutti.io.safefs import PRIVATE, Access
 
     cfg = EngineConfig.from_dict(base(share_group=grp.getgrgid(os.getegid()).gr_name, secret_env="X"))

@@ -12,7 +12,7 @@ import torch
 
 from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk
 from tutti.engine.planner import Planner
-from tutti.engine.session import build_worker
+from tutti.engine.build import build_worker
 from tutti.kernels import PagedLayout
 
 from test_worker import B, L, config, geometry, make_caches, run_step, views

@@ -1,11 +1,11 @@
-"""What goes into a namespace's fingerprint and key seed (tutti.engine.session.Geometry)."""
+"""What goes into a namespace's fingerprint and key seed (tutti.engine.build.Geometry)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from tutti.engine.keys import KEY_VERSION
-from tutti.engine.session import Geometry
+from tutti.engine.build import Geometry
 
 
 def geom(**kw) -> Geometry:

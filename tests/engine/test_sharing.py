@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tutti.engine.session import build_planner, build_worker
+from tutti.engine.build import build_planner, build_worker
 from tutti.io.store import StoreLockedError, list_writers
 
 from test_worker import B, L, T, geometry, make_caches, run_step, views

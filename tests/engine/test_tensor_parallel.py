@@ -11,7 +11,7 @@ import torch
 
 from tutti.engine.keys import chunk_keys
 from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk, WorkerReport
-from tutti.engine.session import Geometry, build_planner, build_worker
+from tutti.engine.build import Geometry, build_planner, build_worker
 from tutti.io.store import list_namespaces
 from tutti.kernels import PagedLayout
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk
-from tutti.engine.session import Geometry, build_worker
+from tutti.engine.build import Geometry, build_worker
 from tutti.io.queue import IOQueue
 from tutti.kernels import PagedLayout
 

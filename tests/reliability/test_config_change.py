@@ -81,7 +81,7 @@ def test_new_configuration_never_hits_old_chunks(tiny_model, tmp_path, report):
 
 def _parallel_layouts(root, chunk: int, first_digest: str) -> int:
     """The scheduler's index for TP=2 / PP=2 geometries of the same model over the same root: empty."""
-    from tutti.engine.session import Geometry, build_planner
+    from tutti.engine.build import Geometry, build_planner
 
     from tutti.io.store import list_namespaces
 

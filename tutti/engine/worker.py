@@ -43,13 +43,7 @@ class WorkerPipeline:
             raise ValueError(f"group_of_layer: {len(group_of_layer)} entries for {len(caches)} layers")
         self.ctx = WorkerContext(cfg, list(caches), layout, store, io_queue, kernel, checksum, segment_bytes,
                                  chunk_tokens, kernel_blocks_per_block, writes, mac, group_of_layer)
-        slot_bytes = cfg.staging_slot_bytes
-        if segment_bytes > slot_bytes:
-            raise ValueError(
-                f"staging_bytes={cfg.staging_bytes}: a staging slot ({slot_bytes} B = staging_bytes / "
-                f"staging_slots) is smaller than one segment ({segment_bytes} B); raise staging_bytes to at "
-                f"least {segment_bytes * cfg.staging_slots} or lower chunk_tokens"
-            )
+        slot_bytes = cfg.staging_slot_bytes  # staging vs segment sizes: checked once, in check_geometry
         if staging is None:
             from tutti.io.buffers import aligned_buffer
 

@@ -26,7 +26,7 @@ from vllm.logger import init_logger
 
 from tutti.engine.config import EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
-from tutti.engine.session import build_planner, build_worker, check_geometry, segment_mac, with_integrity
+from tutti.engine.build import build_planner, build_worker, check_geometry, segment_mac, with_integrity
 from tutti.vllm import compat
 from tutti.vllm.events import EventPublisher, KVEventTracker, expand_topic
 from tutti.vllm.stats import SchedulerStatsTracker, TuttiKVConnectorStats, TuttiPromMetrics, stats_from

@@ -1,0 +1,373 @@
+"""Builds the engine's two halves from a config and a geometry: the planner (scheduler
+process) and the worker pipeline (each worker), with every check that needs the model's
+geometry done once, before any file is touched. The connector calls these and nothing else."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from tutti.engine.config import EngineConfig
+from tutti.engine.keys import namespace_seed
+from tutti.engine.planner import Planner, rebuild_entries
+from tutti.engine.worker import WorkerPipeline
+from tutti.io.rammap import RAM_FILESYSTEMS, fs_type
+
+log = logging.getLogger("tutti.engine")
+
+
+from tutti.format import FORMAT_VERSION, segment_bytes as _segment_bytes, slot_bytes as _slot_bytes  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a chunk is, for one rank: everything that goes into the namespace fingerprint."""
+
+    model: str
+    cache_dtype: str
+    chunk_tokens: int
+    block_size: int  # the scheduler's (manager) block size
+    num_layers: int
+    num_heads: int  # H: KV head slots on this rank (1 for MLA)
+    content_bytes: int  # C: bytes per (head, token)
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    # MLA: the latent cache is the same on every TP rank, so it is stored once (by TP rank 0,
+    # in TP rank 0's namespace) and every TP rank reads it from there.
+    kv_replicated: bool = False
+    model_id: str = ""  # identity of the weights and model config behind `model` (see compat.model_identity)
+    integrity: str = ""  # "" (checksums) or the keyed tag's name: a store with a secret is its own namespace
+    # Hybrid models: each layer's KV cache group as "<group>:<kind>" ("full", "sw<window>"), in
+    # layer order, joined by ","; "" for one group. A chunk holds every layer's segment either
+    # way; the groups say which block list each layer's blocks come from, and are part of the
+    # namespace.
+    groups: str = ""
+
+    @property
+    def group_of_layer(self) -> list[int] | None:
+        if not self.groups:
+            return None
+        return [int(item.split(":", 1)[0]) for item in self.groups.split(",")]
+
+    @property
+    def store_tp_rank(self) -> int:
+        """The TP rank whose namespace holds this rank's chunks."""
+        return 0 if self.kv_replicated else self.tp_rank
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank stores chunks (and so owns, and locks, its namespace)."""
+        return self.store_tp_rank == self.tp_rank
+
+    @property
+    def num_writers(self) -> int:
+        """Ranks that must commit a chunk before it is resident."""
+        return self.pp_size if self.kv_replicated else self.num_workers
+
+    @property
+    def store_ranks(self) -> list[tuple[int, int, int]]:
+        """(tp_rank, pp_rank, global rank) of every rank that owns a namespace."""
+        tps = [0] if self.kv_replicated else range(self.tp_size)
+        return [(tp, pp, pp * self.tp_size + tp) for pp in range(self.pp_size) for tp in tps]
+
+    @property
+    def segment_bytes(self) -> int:
+        return _segment_bytes(self.chunk_tokens, self.num_heads * self.content_bytes)
+
+    @property
+    def slot_bytes(self) -> int:
+        return _slot_bytes(self.num_layers, self.segment_bytes)
+
+    @property
+    def num_workers(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def for_rank(self, tp_rank: int, pp_rank: int = 0) -> "Geometry":
+        return Geometry(**{**vars(self), "tp_rank": tp_rank, "pp_rank": pp_rank})
+
+    def fingerprint(self):
+        from tutti.io.fingerprint import Fingerprint
+        return Fingerprint(
+            model=self.model, cache_dtype=self.cache_dtype, format_version=FORMAT_VERSION,
+            chunk_tokens=self.chunk_tokens, num_layers=self.num_layers, num_heads=self.num_heads,
+            content_bytes=self.content_bytes, segment_bytes=self.segment_bytes,
+            tp_rank=self.store_tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+            extra=self._extra(),
+        )
+
+    def _extra(self) -> tuple[tuple[str, str], ...]:
+        # Not the segment format, but what the KV values were computed with: the attention
+        # kernels accumulate per block, so KV computed at block size 32 differs (in the last
+        # bits) from KV computed at 64, and a checkpoint replaced under the same path changes it
+        # entirely. Either would make a hit differ from recompute.
+        from tutti.engine.keys import KEY_VERSION
+
+        # key version: a store whose keys were derived otherwise (v1: token ids only) is a
+        # different namespace, left on disk for `tutti inspect`, never served under new rules
+        out = [("block_size", str(self.block_size)), ("key_version", str(KEY_VERSION))]
+        if self.model_id:
+            out.append(("model_id", self.model_id))
+        if self.integrity:
+            out.append(("integrity", self.integrity))
+        if self.groups:
+            out.append(("groups", self.groups))
+        return tuple(out)
+
+    def seed(self) -> bytes:
+        """Key seed: shared by all ranks (a chunk's key does not depend on the rank)."""
+        return namespace_seed(self.model, self.cache_dtype, FORMAT_VERSION, self.chunk_tokens,
+                              self.num_layers * self.pp_size, self.tp_size, self.pp_size, self._extra())
+
+
+def segment_mac(cfg: EngineConfig):
+    """The keyed tagger of a config with a secret, else None (the secret is read, never kept in cfg)."""
+    from tutti.io.integrity import SegmentMac, load_secret
+
+    secret = load_secret(file=cfg.secret_file or None, env=cfg.secret_env or None)
+    return None if secret is None else SegmentMac(secret)
+
+
+def store_access(cfg: EngineConfig):
+    """Private files, or shared with cfg.share_group (validated in the config)."""
+    from tutti.engine.config import resolve_group
+    from tutti.io.safefs import PRIVATE, Access
+
+    return Access(resolve_group(cfg.share_group)) if cfg.share_group else PRIVATE
+
+
+def with_integrity(geom: Geometry, mac) -> Geometry:
+    """`geom` marked with the integrity scheme of `mac` (segment_mac(cfg)); unchanged without one."""
+    import dataclasses
+
+    return geom if mac is None else dataclasses.replace(geom, integrity=mac.name)
+
+
+def check_capacity(cfg: EngineConfig, geom: Geometry) -> int:
+    num_slots = cfg.capacity_bytes // geom.slot_bytes
+    if num_slots < 1:
+        raise ValueError(
+            f"kv_connector_extra_config.capacity_bytes={cfg.capacity_bytes}: smaller than one chunk "
+            f"({geom.slot_bytes} B = {geom.num_layers} layers x {geom.segment_bytes} B segments); "
+            f"expected at least {geom.slot_bytes}"
+        )
+    return num_slots
+
+
+def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
+    """Every check that needs the model's geometry, before any file is touched; returns the slot count.
+
+    Both halves call it first: the worker is built before the scheduler, so a check left to the
+    planner would only fire after the worker had already created the store on disk.
+    """
+    if geom.chunk_tokens % geom.block_size:
+        raise ValueError(
+            f"kv_connector_extra_config.chunk_tokens={geom.chunk_tokens}: must be a multiple of vLLM's "
+            f"block_size={geom.block_size}; try {max(1, round(geom.chunk_tokens / geom.block_size)) * geom.block_size}"
+        )
+    num_slots = check_capacity(cfg, geom)
+    if geom.segment_bytes > cfg.staging_slot_bytes:
+        raise ValueError(
+            f"kv_connector_extra_config.staging_bytes={cfg.staging_bytes}: a staging slot ({cfg.staging_slot_bytes} B "
+            f"= staging_bytes / staging_slots) is smaller than one segment ({geom.segment_bytes} B); raise "
+            f"staging_bytes to at least {geom.segment_bytes * cfg.staging_slots} or lower chunk_tokens"
+        )
+    arena = cfg.max_inflight_stores * cfg.staging_slot_bytes
+    if arena < geom.slot_bytes:
+        raise ValueError(
+            f"kv_connector_extra_config.max_inflight_stores={cfg.max_inflight_stores}: stores may hold {arena} B of "
+            f"staging (max_inflight_stores x {cfg.staging_slot_bytes} B slots), less than one chunk "
+            f"({geom.slot_bytes} B = {geom.num_layers} layers x {geom.segment_bytes} B); raise staging_bytes to at "
+            f"least {-(-geom.slot_bytes // cfg.max_inflight_stores) * cfg.staging_slots} or max_inflight_stores, "
+            "or lower chunk_tokens"
+        )
+    return num_slots
+
+
+def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
+    """The scheduler's half: the index rebuilt from every rank's journal."""
+    from tutti.io.store import ChunkStore
+
+    cfg = EngineConfig.from_dict(raw_config, rank=0)
+    num_slots = check_geometry(cfg, geom)
+    mac = segment_mac(cfg)
+    geom = with_integrity(geom, mac)
+    planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
+                      seed=geom.seed() if mac is None else mac.seed(geom.seed()), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
+                      store_decode=cfg.store_decode, num_writers=geom.num_writers,
+                      num_groups=max(geom.group_of_layer or [0]) + 1)
+    per_rank = []
+    for tp, pp, rank in geom.store_ranks:
+        rcfg = EngineConfig.from_dict(raw_config, rank=rank)
+        try:
+            store = ChunkStore(list(rcfg.roots), geom.for_rank(tp, pp).fingerprint(),
+                               capacity_bytes=cfg.capacity_bytes, writer=False,
+                               slots_per_slab=cfg.slots_per_slab, access=store_access(cfg),
+                               writer_id=cfg.writer_id)
+        except FileNotFoundError:
+            per_rank.append({})
+            continue
+        try:
+            per_rank.append({slot: e.key for slot, e in store.entries().items()})
+        finally:
+            store.close()
+    planner.rebuild(rebuild_entries(per_rank))
+    planner.foreign = _foreign_index(raw_config, cfg, geom)
+    return planner
+
+
+def _foreign_index(raw_config: Mapping[str, Any], cfg: EngineConfig, geom: Geometry):
+    """The scheduler's view of the other writers of the namespace (every store rank)."""
+    from tutti.engine.sharing import FOREIGN_CAPACITY, ForeignIndex
+    from tutti.io.store import ChunkStore, list_writers
+
+    ranks = list(geom.store_ranks)
+    rank_cfgs = [EngineConfig.from_dict(raw_config, rank=rank) for _, _, rank in ranks]
+    tp0, pp0, _ = ranks[0]
+
+    def writers() -> list[str]:
+        return list_writers(rank_cfgs[0].roots[0], geom.for_rank(tp0, pp0).fingerprint())
+
+    def open_reader(i: int, writer: str):
+        tp, pp, _ = ranks[i]
+        return ChunkStore(list(rank_cfgs[i].roots), geom.for_rank(tp, pp).fingerprint(),
+                          capacity_bytes=FOREIGN_CAPACITY, writer=False, access=store_access(cfg), writer_id=writer)
+
+    return ForeignIndex(own_id=cfg.writer_id, num_ranks=len(ranks), list_writers=writers, open_reader=open_reader,
+                        interval_s=cfg.follow_interval_s)
+
+
+def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Sequence[torch.Tensor], layout,
+                 kernel_blocks_per_block: int = 1, rank: int = 0) -> WorkerPipeline:
+    """One worker's half: its store (writer), IO queue, kernels and staging ring."""
+    from tutti.io.queue import open_queue
+    from tutti.io.store import ChunkStore
+    from tutti.kernels import get_variant, segment_checksum
+
+    cfg = EngineConfig.from_dict(raw_config, rank=rank)
+    check_geometry(cfg, geom)
+    mac = segment_mac(cfg)  # the secret is read once per half, before any IO
+    geom = with_integrity(geom, mac)
+    if layout.num_heads != geom.num_heads or layout.content_bytes != geom.content_bytes:
+        raise ValueError(
+            f"KV cache layout: found H={layout.num_heads}, C={layout.content_bytes} B per (head, token) in the "
+            f"tensors vLLM registered, but the model config says H={geom.num_heads}, C={geom.content_bytes}"
+        )
+    variant = cfg.kernel_variant
+    if variant == "auto":
+        variant = "triton" if caches[0].is_cuda else "torch"
+    kernel = get_variant(variant)
+    backend = cfg.io_backend
+    if backend == "auto" and all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots):
+        # On RAM file systems io_uring punts every request to its io-wq workers and copies
+        # through the page cache: the thread pool measured 3.3x faster on the H200 machine
+        # (/dev/shm, 1 MiB reads: 11.6 against 3.5 GB/s), so it is the default there.
+        backend = "threads"
+    q = open_queue(backend, **cfg.io_options)
+    access = store_access(cfg)
+    maps = cfg.mapped_loads is True or (cfg.mapped_loads == "auto" and not access.shared
+                                        and all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots))
+    open_file = lambda name, w, dir_fd: q.open_file(name, write=w, create=w, dir_fd=dir_fd)  # noqa: E731
+    if geom.writes:
+        store = ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
+                           slots_per_slab=cfg.slots_per_slab, open_file=open_file, access=access,
+                           max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=cfg.writer_id)
+        store_roots = list(cfg.roots)
+    else:  # read the writer rank's namespace, under the writer rank's roots
+        wcfg = EngineConfig.from_dict(raw_config, rank=rank - geom.tp_rank + geom.store_tp_rank)
+        store_roots = list(wcfg.roots)
+        store = ReplicaReader(list(wcfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes,
+                              slots_per_slab=cfg.slots_per_slab, open_file=open_file, access=access,
+                           max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=cfg.writer_id)
+    from tutti.engine.sharing import FOREIGN_CAPACITY, ForeignStores
+
+    fingerprint = geom.fingerprint()
+    foreign = ForeignStores(lambda writer: ChunkStore(
+        store_roots, fingerprint, capacity_bytes=FOREIGN_CAPACITY, writer=False, open_file=open_file, access=access,
+        max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=writer))
+    try:
+        return WorkerPipeline(cfg, caches=caches, layout=layout, store=store, io_queue=q, kernel=kernel,
+                              checksum=segment_checksum, segment_bytes=geom.segment_bytes,
+                              chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block,
+                              writes=geom.writes, mac=mac, foreign=foreign, group_of_layer=geom.group_of_layer)
+    except Exception:
+        store.close()
+        q.close()
+        raise
+
+
+class ReplicaReader:
+    """A read-only view of another rank's namespace, opened once that rank has created it.
+
+    The ranks start together, so the writer's namespace may not exist yet when a reader starts:
+    until it does, the reader holds nothing (every planned load is a miss it reports).
+    """
+
+    def __init__(self, roots: list[str], fingerprint, *, capacity_bytes: int, slots_per_slab: int | None,
+                 open_file, access=None, max_open_slabs: int = 256, map_ram: bool = False,
+                 writer_id: str = "") -> None:
+        from tutti.io.safefs import PRIVATE
+
+        self._args = dict(capacity_bytes=capacity_bytes, writer=False, slots_per_slab=slots_per_slab,
+                          open_file=open_file, access=access or PRIVATE, max_open_slabs=max_open_slabs,
+                          map_ram=map_ram, writer_id=writer_id)
+        self._roots, self.fingerprint = roots, fingerprint
+        self._store = None
+        self._open()
+
+    def _open(self):
+        from tutti.io.store import ChunkStore
+
+        if self._store is None:
+            try:
+                self._store = ChunkStore(self._roots, self.fingerprint, **self._args)
+            except FileNotFoundError:
+                return None
+        return self._store
+
+    def entries(self) -> dict:
+        return self._store.entries() if self._store is not None else {}
+
+    def refresh(self) -> None:
+        if self._store is not None:
+            self._store.refresh()
+        else:
+            self._open()  # opening replays the journal
+
+    def refresh_if_changed(self) -> bool:
+        if self._store is None:
+            return self._open() is not None
+        return self._store.refresh_if_changed()
+
+    def location(self, slot: int, layer: int = 0) -> tuple[int, int]:
+        if self._store is None:
+            raise RuntimeError("ReplicaReader.location: the writer's namespace is not open (no entries yet)")
+        return self._store.location(slot, layer)
+
+    @property
+    def maps_ram(self) -> bool:
+        return bool(self._args["map_ram"]) and not self._args["access"].shared
+
+    def mapped(self, slot: int, layer: int = 0, nbytes: int | None = None):
+        return None if self._store is None else self._store.mapped(slot, layer, nbytes)
+
+    def map_all(self) -> int:
+        return 0 if self._store is None else self._store.map_all()
+
+    def acquire(self, slot: int, layer: int = 0) -> tuple[int, int]:
+        if self._store is None:
+            raise RuntimeError("ReplicaReader.acquire: the writer's namespace is not open (no entries yet)")
+        return self._store.acquire(slot, layer)
+
+    def release(self, slot: int) -> None:
+        if self._store is not None:
+            self._store.release(slot)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
