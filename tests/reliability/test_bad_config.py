@@ -67,7 +67,7 @@ def test_bad_values_fail_before_any_request_or_io(tiny_model, tmp_path, report):
             EngineConfig.from_dict(raw)
     # through a real engine start
     engine_cases = [
-        ({"chunk_tokens": 48}, "multiple of vLLM's block_size"),
+        ({"chunk_tokens": 48}, r"kv_connector_extra_config\.chunk_tokens=48: must be a multiple of the KV cache's block_size"),
         ({"capacity_bytes": 4096}, "capacity_bytes=4096"),
         ({"staging_bytes": "64KiB"}, "staging_bytes"),
         ({"chunk_tokns": 32}, "unknown key"),

@@ -146,8 +146,10 @@ def test_bad_configs_fail_at_startup_with_clear_errors(tiny_model, tmp_path):
         with pytest.raises(ValueError, match=match):
             EngineConfig.from_dict(raw)
     # through a real engine start: chunk_tokens not a multiple of the block size, capacity too small
-    for extra, match in (({"chunk_tokens": 48}, "multiple of vLLM's block_size"),
-                         ({"capacity_bytes": 4096}, "capacity_bytes")):
+    # (the engine names keys plainly; the connector puts them under vLLM's kv_connector_extra_config)
+    for extra, match in (({"chunk_tokens": 48}, r"kv_connector_extra_config\.chunk_tokens=48: must be a multiple of "
+                                                r"the KV cache's block_size"),
+                         ({"capacity_bytes": 4096}, r"kv_connector_extra_config\.capacity_bytes=4096")):
         with pytest.raises(Exception, match=match):
             harness.make_llm(tiny_model, kv_transfer_config=kv_config(tmp_path / "bad", **extra))
     f = tmp_path / "afile"

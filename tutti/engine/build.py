@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from tutti.engine.config import EngineConfig
+from tutti.engine.config import ConfigError, EngineConfig
 from tutti.engine.keys import namespace_seed
 from tutti.engine.planner import Planner, rebuild_entries
 from tutti.engine.worker import WorkerPipeline
@@ -150,8 +150,8 @@ def with_integrity(geom: Geometry, mac) -> Geometry:
 def check_capacity(cfg: EngineConfig, geom: Geometry) -> int:
     num_slots = cfg.capacity_bytes // geom.slot_bytes
     if num_slots < 1:
-        raise ValueError(
-            f"kv_connector_extra_config.capacity_bytes={cfg.capacity_bytes}: smaller than one chunk "
+        raise ConfigError(
+            f"capacity_bytes={cfg.capacity_bytes}: smaller than one chunk "
             f"({geom.slot_bytes} B = {geom.num_layers} layers x {geom.segment_bytes} B segments); "
             f"expected at least {geom.slot_bytes}"
         )
@@ -165,21 +165,21 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
     planner would only fire after the worker had already created the store on disk.
     """
     if geom.chunk_tokens % geom.block_size:
-        raise ValueError(
-            f"kv_connector_extra_config.chunk_tokens={geom.chunk_tokens}: must be a multiple of vLLM's "
+        raise ConfigError(
+            f"chunk_tokens={geom.chunk_tokens}: must be a multiple of the KV cache's "
             f"block_size={geom.block_size}; try {max(1, round(geom.chunk_tokens / geom.block_size)) * geom.block_size}"
         )
     num_slots = check_capacity(cfg, geom)
     if geom.segment_bytes > cfg.staging_slot_bytes:
-        raise ValueError(
-            f"kv_connector_extra_config.staging_bytes={cfg.staging_bytes}: a staging slot ({cfg.staging_slot_bytes} B "
+        raise ConfigError(
+            f"staging_bytes={cfg.staging_bytes}: a staging slot ({cfg.staging_slot_bytes} B "
             f"= staging_bytes / staging_slots) is smaller than one segment ({geom.segment_bytes} B); raise "
             f"staging_bytes to at least {geom.segment_bytes * cfg.staging_slots} or lower chunk_tokens"
         )
     arena = cfg.max_inflight_stores * cfg.staging_slot_bytes
     if arena < geom.slot_bytes:
-        raise ValueError(
-            f"kv_connector_extra_config.max_inflight_stores={cfg.max_inflight_stores}: stores may hold {arena} B of "
+        raise ConfigError(
+            f"max_inflight_stores={cfg.max_inflight_stores}: stores may hold {arena} B of "
             f"staging (max_inflight_stores x {cfg.staging_slot_bytes} B slots), less than one chunk "
             f"({geom.slot_bytes} B = {geom.num_layers} layers x {geom.segment_bytes} B); raise staging_bytes to at "
             f"least {-(-geom.slot_bytes // cfg.max_inflight_stores) * cfg.staging_slots} or max_inflight_stores, "
@@ -255,7 +255,7 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
     if layout.num_heads != geom.num_heads or layout.content_bytes != geom.content_bytes:
         raise ValueError(
             f"KV cache layout: found H={layout.num_heads}, C={layout.content_bytes} B per (head, token) in the "
-            f"tensors vLLM registered, but the model config says H={geom.num_heads}, C={geom.content_bytes}"
+            f"KV cache tensors registered, but the model config says H={geom.num_heads}, C={geom.content_bytes}"
         )
     variant = cfg.kernel_variant
     if variant == "auto":

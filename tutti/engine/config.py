@@ -21,18 +21,29 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20
           "tib": 1 << 40}
 
 
+class ConfigError(ValueError):
+    """A bad configuration value: the message starts with the key (``capacity_bytes=...: ...``) or
+    speaks of the whole mapping. The engine knows no server's name for its configuration; the
+    caller that does says where it came from (`qualified`)."""
+
+    def qualified(self, where: str) -> str:
+        """The message under `where` (e.g. vLLM's ``kv_connector_extra_config``)."""
+        msg = str(self)
+        return f"{where}.{msg}" if re.match(r"[a-z_]+[=:.\[]", msg) else f"{where}: {msg}"
+
+
 def parse_bytes(key: str, value: Any) -> int:
     """An int, or a string like '64GiB', '512 MiB', '1e9': a finite count below 2**63.
 
     NaN, infinities ('inf', 'Infinity', '1e400', float('inf')) and counts of 2**63 or more are
     refused with a ValueError naming `key` and the value (never an OverflowError)."""
     if isinstance(value, bool):
-        raise ValueError(f"{key}={value!r}: {_SIZE_HINT}")
+        raise ConfigError(f"{key}={value!r}: {_SIZE_HINT}")
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise ValueError(f"{key}={value!r}: not a finite number; {_SIZE_HINT}")
+            raise ConfigError(f"{key}={value!r}: not a finite number; {_SIZE_HINT}")
         if value != int(value):
-            raise ValueError(f"{key}={value!r}: not a whole number of bytes; {_SIZE_HINT}")
+            raise ConfigError(f"{key}={value!r}: not a whole number of bytes; {_SIZE_HINT}")
         return _bounded(key, value, int(value))
     if isinstance(value, int):
         return _bounded(key, value, value)
@@ -53,12 +64,12 @@ def parse_bytes(key: str, value: Any) -> int:
         except (ValueError, OverflowError):
             special = False
         if special:
-            raise ValueError(f"{key}={value!r}: not a finite number; {_SIZE_HINT}")
-    raise ValueError(f"{key}={value!r}: {_SIZE_HINT}")
+            raise ConfigError(f"{key}={value!r}: not a finite number; {_SIZE_HINT}")
+    raise ConfigError(f"{key}={value!r}: {_SIZE_HINT}")
 
 
 def _too_large(key: str, value: Any) -> ValueError:
-    return ValueError(f"{key}={value!r}: too large; a size must be a finite byte count below 2**63 "
+    return ConfigError(f"{key}={value!r}: too large; a size must be a finite byte count below 2**63 "
                       f"({MAX_BYTES} B, 8 EiB), e.g. '64GiB'")
 
 
@@ -97,42 +108,42 @@ def resolve_root(raw: str, rank: int) -> str:
     resolved = os.path.abspath(root)
     if (raw, resolved) not in _logged_roots:
         _logged_roots.add((raw, resolved))
-        log.info("kv_connector_extra_config.root=%r is a relative path: resolved against the current directory "
+        log.info("root=%r is a relative path: resolved against the current directory "
                  "%r to %r; pass an absolute path to make the store independent of where the server starts",
                  raw, cwd, resolved)
     return resolved
 
 
 def resolve_writer_id(value: Any) -> str:
-    """kv_connector_extra_config.writer_id: '{host}' expanded, then 1-64 of A-Z a-z 0-9 . _ -."""
+    """writer_id: '{host}' expanded, then 1-64 of A-Z a-z 0-9 . _ -."""
     import socket
 
-    key = "kv_connector_extra_config.writer_id"
+    key = "writer_id"
     if not isinstance(value, str):
-        raise ValueError(f"{key}={value!r}: expected a string such as \"{{host}}\" or \"replica-0\"")
+        raise ConfigError(f"{key}={value!r}: expected a string such as \"{{host}}\" or \"replica-0\"")
     host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:48]
     out = value.replace("{host}", host)
     if out and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", out):
-        raise ValueError(f"{key}={value!r}: expected 1-64 of A-Z a-z 0-9 . _ - after expanding {{host}} "
+        raise ConfigError(f"{key}={value!r}: expected 1-64 of A-Z a-z 0-9 . _ - after expanding {{host}} "
                          f"(got {out!r}); one per server sharing the store, the same across its restarts")
     return out
 
 
 def resolve_group(value: Any) -> int:
-    """kv_connector_extra_config.share_group: a group name or number this process belongs to -> its gid."""
+    """share_group: a group name or number this process belongs to -> its gid."""
     import grp
 
-    key = "kv_connector_extra_config.share_group"
+    key = "share_group"
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value in ("", -1):
-        raise ValueError(f"{key}={value!r}: expected the name (or number) of a group every sharing user belongs to, "
+        raise ConfigError(f"{key}={value!r}: expected the name (or number) of a group every sharing user belongs to, "
                          "e.g. \"kvshare\"")
     try:
         gid = grp.getgrnam(value).gr_gid if isinstance(value, str) and not value.isdigit() else int(value)
     except KeyError:
-        raise ValueError(f"{key}={value!r}: no such group on this host; create it (groupadd {value}) and add the "
+        raise ConfigError(f"{key}={value!r}: no such group on this host; create it (groupadd {value}) and add the "
                          "sharing users to it, or give its number") from None
     if gid != os.getegid() and gid not in os.getgroups():
-        raise ValueError(f"{key}={value!r}: this process (uid {os.geteuid()}) is not a member of group {gid}; add the "
+        raise ConfigError(f"{key}={value!r}: this process (uid {os.geteuid()}) is not a member of group {gid}; add the "
                          "server's user to it (and start a new login session), or drop share_group to keep the store "
                          "private")
     return gid
@@ -140,19 +151,19 @@ def resolve_group(value: Any) -> int:
 
 def check_zmq_endpoint(value: Any) -> str:
     """'tcp://host:port' (host '*' binds), 'ipc://path' or 'inproc://name'; '' turns events off."""
-    key = "kv_connector_extra_config.kv_events_endpoint"
+    key = "kv_events_endpoint"
     if not isinstance(value, str):
-        raise ValueError(f"{key}={value!r}: expected a ZMQ endpoint string such as 'tcp://*:5557'")
+        raise ConfigError(f"{key}={value!r}: expected a ZMQ endpoint string such as 'tcp://*:5557'")
     if value == "":
         return value
     m = re.fullmatch(r"tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):([0-9]+)", value)
     if m:
         if not 0 <= int(m.group(2)) <= 65535:
-            raise ValueError(f"{key}={value!r}: port {m.group(2)} is not in [0, 65535]")
+            raise ConfigError(f"{key}={value!r}: port {m.group(2)} is not in [0, 65535]")
         return value
     if re.fullmatch(r"(ipc|inproc)://.+", value):
         return value
-    raise ValueError(f"{key}={value!r}: expected 'tcp://HOST:PORT' (HOST '*' to bind, e.g. 'tcp://*:5557'; "
+    raise ConfigError(f"{key}={value!r}: expected 'tcp://HOST:PORT' (HOST '*' to bind, e.g. 'tcp://*:5557'; "
                      "a host name or IP to connect, e.g. 'tcp://indexer:5557'), 'ipc://PATH' or 'inproc://NAME'")
 
 
@@ -208,45 +219,45 @@ class EngineConfig:
         known = {f.name for f in fields(cls)} - {"roots", "extra"} | {"root", "roots"}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(
-                f"kv_connector_extra_config: unknown key(s) {unknown}; allowed keys are {sorted(known)}"
+            raise ConfigError(
+                f"unknown key(s) {unknown}; allowed keys are {sorted(known)}"
             )
         if "root" in raw and "roots" in raw:
-            raise ValueError("kv_connector_extra_config: give either 'root' or 'roots', not both")
+            raise ConfigError("give either 'root' or 'roots', not both")
         roots_v = raw.pop("roots", raw.pop("root", None))
         if roots_v is None:
-            raise ValueError("kv_connector_extra_config.root: missing; give a directory (or 'roots': a list, "
+            raise ConfigError("root: missing; give a directory (or 'roots': a list, "
                              "one per drive), e.g. {\"root\": \"/mnt/nvme/tutti\"}")
         if isinstance(roots_v, str):
             roots_v = [roots_v]
         if not isinstance(roots_v, (list, tuple)) or not roots_v or not all(isinstance(r, str) and r for r in roots_v):
-            raise ValueError(f"kv_connector_extra_config.roots={roots_v!r}: expected a non-empty list of directory paths")
+            raise ConfigError(f"roots={roots_v!r}: expected a non-empty list of directory paths")
         roots = tuple(resolve_root(r, rank) for r in roots_v)
         if "capacity_bytes" not in raw:
-            raise ValueError("kv_connector_extra_config.capacity_bytes: missing; give the store's size, e.g. '64GiB'")
+            raise ConfigError("capacity_bytes: missing; give the store's size, e.g. '64GiB'")
         kw: dict[str, Any] = {"roots": roots, "capacity_bytes": parse_bytes(
-            "kv_connector_extra_config.capacity_bytes", raw.pop("capacity_bytes"))}
+            "capacity_bytes", raw.pop("capacity_bytes"))}
         if "staging_bytes" in raw:
-            kw["staging_bytes"] = parse_bytes("kv_connector_extra_config.staging_bytes", raw.pop("staging_bytes"))
+            kw["staging_bytes"] = parse_bytes("staging_bytes", raw.pop("staging_bytes"))
         for name, lo, hi in (("chunk_tokens", 1, 1 << 20), ("lookahead", 1, 1024), ("staging_slots", 2, 4096),
                              ("max_inflight_stores", 1, 4096), ("slots_per_slab", 1, 1 << 20),
                              ("max_open_slabs", 1, 1 << 20)):
             if name in raw:
                 v = raw.pop(name)
                 if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                    raise ValueError(f"kv_connector_extra_config.{name}={v!r}: expected an integer in [{lo}, {hi}]")
+                    raise ConfigError(f"{name}={v!r}: expected an integer in [{lo}, {hi}]")
                 kw[name] = v
         if "mapped_loads" in raw:
             v = raw.pop("mapped_loads")
             if v not in ("auto", True, False) or isinstance(v, int) and not isinstance(v, bool):
-                raise ValueError(f"kv_connector_extra_config.mapped_loads={v!r}: expected \"auto\" (RAM roots "
+                raise ConfigError(f"mapped_loads={v!r}: expected \"auto\" (RAM roots "
                                  "only), true or false")
             kw["mapped_loads"] = v
         for name in ("verify_checksums", "store_decode"):
             if name in raw:
                 v = raw.pop(name)
                 if not isinstance(v, bool):
-                    raise ValueError(f"kv_connector_extra_config.{name}={v!r}: expected true or false")
+                    raise ConfigError(f"{name}={v!r}: expected true or false")
                 kw[name] = v
         if "io_backend" in raw:
             v = raw.pop("io_backend")
@@ -256,18 +267,18 @@ class EngineConfig:
                 try:
                     resolve_backend(v)
                 except ValueError as exc:
-                    raise ValueError(f"kv_connector_extra_config.{exc}") from None
+                    raise ConfigError(str(exc)) from None
             kw["io_backend"] = v
         if "io_options" in raw:
             v = raw.pop("io_options")
             if not isinstance(v, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in v):
-                raise ValueError(f"kv_connector_extra_config.io_options={v!r}: expected a mapping of the backend's "
+                raise ConfigError(f"io_options={v!r}: expected a mapping of the backend's "
                                  "keyword options, e.g. {\"workers\": 8}")
             kw["io_options"] = dict(v)
         if "kernel_variant" in raw:
             v = raw.pop("kernel_variant")
             if not isinstance(v, str) or not v:
-                raise ValueError(f"kv_connector_extra_config.kernel_variant={v!r}: expected a registered variant "
+                raise ConfigError(f"kernel_variant={v!r}: expected a registered variant "
                                  "name ('auto', 'triton', 'torch') or 'package.module:function'")
             kw["kernel_variant"] = v
         if "kv_events_endpoint" in raw:
@@ -275,20 +286,20 @@ class EngineConfig:
         if "kv_events_topic" in raw:
             v = raw.pop("kv_events_topic")
             if not isinstance(v, str):
-                raise ValueError(f"kv_connector_extra_config.kv_events_topic={v!r}: expected a string such as "
+                raise ConfigError(f"kv_events_topic={v!r}: expected a string such as "
                                  "\"kv@{host}@{model}\"")
             kw["kv_events_topic"] = v
         if "io_timeout_s" in raw:
             v = raw.pop("io_timeout_s")
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.001 <= v <= 3600:
-                raise ValueError(f"kv_connector_extra_config.io_timeout_s={v!r}: expected seconds in [0.001, 3600], "
+                raise ConfigError(f"io_timeout_s={v!r}: expected seconds in [0.001, 3600], "
                                  "e.g. 10")
             kw["io_timeout_s"] = float(v)
         for name in ("secret_file", "secret_env"):
             if name in raw:
                 v = raw.pop(name)
                 if not isinstance(v, str) or not v:
-                    raise ValueError(f"kv_connector_extra_config.{name}={v!r}: expected a non-empty string (a path "
+                    raise ConfigError(f"{name}={v!r}: expected a non-empty string (a path "
                                      "to a file holding the secret, or an environment variable's name)")
                 kw[name] = v
         if "writer_id" in raw:
@@ -296,15 +307,15 @@ class EngineConfig:
         if "follow_interval_s" in raw:
             v = raw.pop("follow_interval_s")
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.01 <= v <= 60:
-                raise ValueError(f"kv_connector_extra_config.follow_interval_s={v!r}: expected seconds in [0.01, 60], "
+                raise ConfigError(f"follow_interval_s={v!r}: expected seconds in [0.01, 60], "
                                  "e.g. 0.25")
             kw["follow_interval_s"] = float(v)
         if "share_group" in raw:
             v = raw.pop("share_group")
             resolve_group(v)
             if not (kw.get("secret_file") or kw.get("secret_env")):
-                raise ValueError(
-                    f"kv_connector_extra_config.share_group={v!r}: sharing a store with other users needs a secret "
+                raise ConfigError(
+                    f"share_group={v!r}: sharing a store with other users needs a secret "
                     "(secret_file or secret_env) known to every sharing server, so that no group member can forge "
                     "KV for another; add one, or drop share_group")
             kw["share_group"] = str(v)
@@ -316,31 +327,31 @@ class EngineConfig:
         for name in ("capacity_bytes", "staging_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v > MAX_BYTES:
-                raise ValueError(f"kv_connector_extra_config.{name}={v!r}: expected a finite byte count below 2**63 "
+                raise ConfigError(f"{name}={v!r}: expected a finite byte count below 2**63 "
                                  "such as '64GiB'")
         if self.capacity_bytes <= 0:
-            raise ValueError(f"kv_connector_extra_config.capacity_bytes={self.capacity_bytes}: expected a positive size")
+            raise ConfigError(f"capacity_bytes={self.capacity_bytes}: expected a positive size")
         mem = host_memory_bytes()
         if mem is not None and self.staging_bytes > mem // 2:
             half = mem // 2
             hint = " (e.g. the default '512MiB')" if half >= 512 << 20 else ""
-            raise ValueError(
-                f"kv_connector_extra_config.staging_bytes={self.staging_bytes}: more than half of this host's "
+            raise ConfigError(
+                f"staging_bytes={self.staging_bytes}: more than half of this host's "
                 f"physical memory (the host has {_human(mem)}, {mem} B); the staging ring is pinned host memory: "
                 f"pass at most {half} ({_human(half)}){hint}")
         if self.staging_slot_bytes < 4096:
-            raise ValueError(
-                f"kv_connector_extra_config.staging_bytes={self.staging_bytes}: with staging_slots="
+            raise ConfigError(
+                f"staging_bytes={self.staging_bytes}: with staging_slots="
                 f"{self.staging_slots} each slot is under 4 KiB; raise staging_bytes"
             )
         if self.max_inflight_stores > self.staging_slots - 1:
-            raise ValueError(
-                f"kv_connector_extra_config.max_inflight_stores={self.max_inflight_stores}: must leave at least one "
+            raise ConfigError(
+                f"max_inflight_stores={self.max_inflight_stores}: must leave at least one "
                 f"of staging_slots={self.staging_slots} for loads; expected at most {self.staging_slots - 1}"
             )
         if self.lookahead > self.staging_slots - self.max_inflight_stores:
-            raise ValueError(
-                f"kv_connector_extra_config.lookahead={self.lookahead}: loads may use only staging_slots - "
+            raise ConfigError(
+                f"lookahead={self.lookahead}: loads may use only staging_slots - "
                 f"max_inflight_stores = {self.staging_slots - self.max_inflight_stores} slots; lower lookahead "
                 "or max_inflight_stores"
             )

@@ -76,7 +76,7 @@ class Planner:
                  num_writers: int | None = None, foreign=None, num_groups: int = 1) -> None:
         if chunk_tokens % block_size:
             raise ValueError(
-                f"chunk_tokens={chunk_tokens}: must be a multiple of vLLM's block_size={block_size}; "
+                f"chunk_tokens={chunk_tokens}: must be a multiple of the KV cache's block_size={block_size}; "
                 f"try {max(1, round(chunk_tokens / block_size)) * block_size}"
             )
         self.index = ChunkIndex(num_slots)

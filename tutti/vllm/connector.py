@@ -12,6 +12,7 @@ layer by layer (tutti.engine.worker). This module only translates callbacks.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -24,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from tutti.engine.config import EngineConfig
+from tutti.engine.config import ConfigError, EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
 from tutti.engine.build import build_planner, build_worker, check_geometry, segment_mac, with_integrity
 from tutti.vllm import compat
@@ -57,9 +58,22 @@ class TuttiWorkerMetadata(compat.WorkerMetadataBase):
         return TuttiWorkerMetadata(self.report.merge(other.report))
 
 
+@contextmanager
+def _config_errors():
+    """The engine names its configuration's keys plainly; here they are vLLM's extra config."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ValueError(exc.qualified("kv_connector_extra_config")) from None
+
+
 class TuttiConnectorV1(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         compat.init_base(self, vllm_config, role, kv_cache_config)
+        with _config_errors():
+            self._init(vllm_config, role, kv_cache_config)
+
+    def _init(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any) -> None:
         self._extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         # Validate the config before anything touches the disk: errors name key, value, range.
         self._cfg = EngineConfig.from_dict(self._extra, rank=compat.worker_rank(vllm_config))
@@ -127,6 +141,10 @@ class TuttiConnectorV1(KVConnectorBase_V1):
 
     # ================================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        with _config_errors():
+            self._register(kv_caches)
+
+    def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.shutdown()  # registered again (a new engine in this process): release the old store first
         # a hybrid model's segments follow the model's layer order, as its namespace says
         names = compat.layer_order(list(kv_caches)) if self._hybrid else list(kv_caches)
