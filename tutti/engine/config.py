@@ -289,12 +289,12 @@ class EngineConfig:
                 raise ConfigError(f"kv_events_topic={v!r}: expected a string such as "
                                  "\"kv@{host}@{model}\"")
             kw["kv_events_topic"] = v
-        if "io_timeout_s" in raw:
-            v = raw.pop("io_timeout_s")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.001 <= v <= 3600:
-                raise ConfigError(f"io_timeout_s={v!r}: expected seconds in [0.001, 3600], "
-                                 "e.g. 10")
-            kw["io_timeout_s"] = float(v)
+        for name, lo, hi, example in (("io_timeout_s", 0.001, 3600, "10"), ("follow_interval_s", 0.01, 60, "0.25")):
+            if name in raw:
+                v = raw.pop(name)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                    raise ConfigError(f"{name}={v!r}: expected seconds in [{lo}, {hi}], e.g. {example}")
+                kw[name] = float(v)
         for name in ("secret_file", "secret_env"):
             if name in raw:
                 v = raw.pop(name)
@@ -304,12 +304,6 @@ class EngineConfig:
                 kw[name] = v
         if "writer_id" in raw:
             kw["writer_id"] = resolve_writer_id(raw.pop("writer_id"))
-        if "follow_interval_s" in raw:
-            v = raw.pop("follow_interval_s")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.01 <= v <= 60:
-                raise ConfigError(f"follow_interval_s={v!r}: expected seconds in [0.01, 60], "
-                                 "e.g. 0.25")
-            kw["follow_interval_s"] = float(v)
         if "share_group" in raw:
             v = raw.pop("share_group")
             resolve_group(v)
