@@ -8,12 +8,16 @@ import torch
 from tutti import kernels as K
 
 
+def prepare(caches, layout, block_ids, seg, k, name, id_range):
+    """What both directions start from: the checked plan, byte views of the layers, kernel block ids."""
+    plan = K.check_args(caches, layout, block_ids, seg, k, name, id_range)
+    return plan, K.layer_byte_views(caches, layout), K.kernel_block_ids(block_ids, k)
+
+
 @K.register_variant("kit-example", description="a loop over chunks, from the documented kit")
 class LoopVariant:
     def gather(self, caches, layout, block_ids, out, *, kernel_blocks_per_block=1, id_range=None, **_):
-        plan = K.check_args(caches, layout, block_ids, out, kernel_blocks_per_block, "out", id_range)
-        views = K.layer_byte_views(caches, layout)
-        ids = K.kernel_block_ids(block_ids, kernel_blocks_per_block)
+        plan, views, ids = prepare(caches, layout, block_ids, out, kernel_blocks_per_block, "out", id_range)
         for layer, v in enumerate(views):
             for n in range(plan.num_chunks):
                 # (blocks, tokens, heads, pieces, bytes) -> the chunk's tokens in [token, head, content] order
@@ -22,9 +26,7 @@ class LoopVariant:
                 plan.seg[layer, n, plan.data_bytes:] = 0
 
     def scatter(self, caches, layout, block_ids, src, *, kernel_blocks_per_block=1, id_range=None, **_):
-        plan = K.check_args(caches, layout, block_ids, src, kernel_blocks_per_block, "src", id_range)
-        views = K.layer_byte_views(caches, layout)
-        ids = K.kernel_block_ids(block_ids, kernel_blocks_per_block)
+        plan, views, ids = prepare(caches, layout, block_ids, src, kernel_blocks_per_block, "src", id_range)
         for layer, v in enumerate(views):
             for n in range(plan.num_chunks):
                 v[ids[n]] = plan.seg[layer, n, : plan.data_bytes].reshape(v[ids[n]].shape)

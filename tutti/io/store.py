@@ -21,6 +21,7 @@ never write: the scheduler replays the journal at start-up to learn what is stor
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -460,6 +461,15 @@ class ChunkStore:
             k = self._place(slot)[:2]
             self._pins[k] = self._pins.get(k, 0) + 1
             return fd, off
+
+    @contextlib.contextmanager
+    def held(self, slot: int, layer: int = 0):
+        """``with store.held(slot) as (fd, offset):`` acquire() for the duration of synchronous IO."""
+        loc = self.acquire(slot, layer)
+        try:
+            yield loc
+        finally:
+            self.release(slot)
 
     def release(self, slot: int) -> None:
         """The IO of one acquire(slot) is done (completed, failed or abandoned)."""

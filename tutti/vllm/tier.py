@@ -235,11 +235,8 @@ class TuttiTier(SecondaryTierManager):
         for key, slot, src in work:
             data = self._view[src * cb:(src + 1) * cb]
             try:
-                fd, off = self._store.acquire(slot)
-                try:
+                with self._store.held(slot) as (fd, off):
                     n = os.pwritev(fd, [data], off)
-                finally:
-                    self._store.release(slot)
                 ok[key] = n == cb
                 tags[key] = self._tag(key, data)
             except OSError as exc:
@@ -270,11 +267,8 @@ class TuttiTier(SecondaryTierManager):
             good = False
             if entry is not None and entry.key == key:
                 try:
-                    fd, off = self._store.acquire(slot)
-                    try:
+                    with self._store.held(slot) as (fd, off):
                         n = os.preadv(fd, [out], off)
-                    finally:
-                        self._store.release(slot)
                     good = n == cb and self._tag(key, out) == entry.checksums[0]
                 except OSError as exc:
                     logger.warning("tutti tier: reading a chunk failed: %s", exc)
