@@ -120,14 +120,15 @@ def count_syncs(fn):
 def run_case(case: str, a) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     kvt = connector_config(case, a)
-    kw = dict(model=a.model, skip_tokenizer_init=True, load_format="dummy", seed=0,
-              gpu_memory_utilization=a.gpu_mem, max_model_len=max(a.lengths) + 512,
-              max_num_batched_tokens=max(a.lengths) + 512, enable_prefix_caching=True, dtype="bfloat16")
+    # the demo's engine (tutti.demo.make_llm: one harness), in vLLM's default mode unless --eager
+    kw = dict(skip_tokenizer_init=True, gpu_memory_utilization=a.gpu_mem, max_model_len=max(a.lengths) + 512,
+              max_num_batched_tokens=max(a.lengths) + 512, max_num_seqs=256, dtype="bfloat16",
+              enforce_eager=bool(a.eager), block_size=16)
     if a.eager:
-        kw["enforce_eager"] = True
+        pass
     elif case == "recompute_piecewise":
         kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     if not torch.cuda.is_available():  # the CPU build (a smoke run of this script)
@@ -137,10 +138,10 @@ def run_case(case: str, a) -> dict:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     elif a.kernel_config:
         kw["kernel_config"] = {"enable_flashinfer_autotune": False, "enable_cutedsl_warmup": False}
-    if kvt is not None:
-        kw["kv_transfer_config"] = kvt
+    from tutti.demo import make_llm
+
     t0 = time.time()
-    llm = LLM(**kw)
+    llm = make_llm(a.model, kv_transfer_config=kvt, **kw)
     start_s = time.time() - t0
     vocab = llm.llm_engine.model_config.get_vocab_size()
     one = SamplingParams(max_tokens=1, temperature=0, detokenize=False, ignore_eos=True)
