@@ -135,13 +135,17 @@ class ForeignStores:
     def __init__(self, open_reader: Callable[[str], object]) -> None:
         self._open_reader = open_reader
         self._stores: dict[str, tuple[object, JournalView]] = {}
+        self._lock = threading.Lock()  # the step's loads and asynchronous loads open writers concurrently
 
     def get(self, writer: str) -> tuple[object, JournalView]:
         """(store, journal view) of `writer`; raises OSError when its files cannot be opened."""
         got = self._stores.get(writer)
         if got is None:
-            store = self._open_reader(writer)
-            got = self._stores[writer] = (store, JournalView(store, follows_writer=True))
+            with self._lock:
+                got = self._stores.get(writer)
+                if got is None:
+                    store = self._open_reader(writer)
+                    got = self._stores[writer] = (store, JournalView(store, follows_writer=True))
         return got
 
     def new_step(self, writers: set[str]) -> None:
