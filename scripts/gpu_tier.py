@@ -6,8 +6,9 @@ secondary tier), PYTHONHASHSEED fixed (vLLM's offload keys are seeded by it):
   proof (tiny model, eager): store -> fresh process: hit from tutti's tier, tokens equal the
       storing run's -> every stored chunk damaged on disk -> fresh process: tokens still equal
       (the tier refuses the damaged chunks; vLLM recomputes), refusals counted from the log.
-  bench (8B KV geometry, vLLM's default mode): for tier in (fs, tutti): store the prompt, then a
-      fresh process times the hit; ratio to the storing run's first prefill of the same call.
+  bench (8B KV geometry, vLLM's default mode): for vLLM's fs tier, TuttiTier and tutti's own
+      connector, all on the same disk: store the prompt, then a fresh process times the hit; ratio
+      to the storing run's first prefill of the same call.
 
     python3 scripts/gpu_tier.py --out /tmp/tier [--lengths 32768] [--skip-bench]
 """
@@ -30,6 +31,11 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 def kvt(tier: str, root: str, cpu_bytes: int) -> dict:
+    if tier == "connector":  # tutti's own layer-wise connector on the same disk, for the same table
+        return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
+                "kv_role": "kv_both", "kv_connector_extra_config": {
+                    "root": root, "capacity_bytes": "24GiB", "chunk_tokens": 256, "staging_bytes": "8GiB",
+                    "staging_slots": 1024, "max_inflight_stores": 1000}}
     sec = ({"type": "fs", "root_dir": root} if tier == "fs" else
            {"type": "tutti", "root": root, "capacity_bytes": "24GiB"})
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -54,6 +60,11 @@ def phase(a) -> dict:
               kv_transfer_config=kvt(a.tier, a.root, a.cpu_bytes))
     if a.eager:
         kw["enforce_eager"] = True
+    if not torch.cuda.is_available():  # the CPU build: a smoke run of the connector case only
+        kw.update(block_size=32, dtype="float32", enforce_eager=True)
+        kw.pop("gpu_memory_utilization")
+        kw.pop("kernel_config")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     t0 = time.time()
     llm = LLM(**kw)
     out = {"phase": a.phase, "tier": a.tier, "engine_start_s": time.time() - t0, "lengths": {}}
@@ -61,11 +72,13 @@ def phase(a) -> dict:
     one = SamplingParams(max_tokens=1, temperature=0, detokenize=False, ignore_eos=True)
     sixteen = SamplingParams(max_tokens=16, temperature=0, detokenize=False, ignore_eos=True)
 
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
     def gen(ps, sp):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         o = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t, o
 
     gen([prompt(998, 64, vocab)], one)  # warm-up
@@ -147,6 +160,9 @@ def main() -> None:
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--skip-proof", action="store_true")
     ap.add_argument("--disk", default="/tmp/tier-disk")
+    ap.add_argument("--tiny-bench", action="store_true", help="the bench on the tiny model (a CPU smoke run)")
+    ap.add_argument("--bench-tiers", default="fs,tutti,connector",
+                    help="fs: vLLM's fs tier; tutti: TuttiTier; connector: TuttiConnectorV1 (all on --disk)")
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
     if a.phase:
@@ -158,6 +174,7 @@ def main() -> None:
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.disk, exist_ok=True)  # tutti creates its root, never the root's parent
     report: dict = {}
     if not a.skip_proof:
         tiny = make_model(os.path.join(a.out, "tiny"), True)
@@ -180,9 +197,9 @@ def main() -> None:
         with open(os.path.join(a.out, "tier.json"), "w") as f:
             json.dump(report, f, indent=1)
     if not a.skip_bench:
-        model = make_model(os.path.join(a.out, "model8b"), False, "8b")
+        model = make_model(os.path.join(a.out, "model8b"), a.tiny_bench, "8b")
         report["bench"] = {}
-        for tier in ("fs", "tutti"):
+        for tier in a.bench_tiers.split(","):
             root = os.path.join(a.disk, tier)
             shutil.rmtree(root, ignore_errors=True)
             s = run_phase(a, "store", tier, root, model, a.lengths, False)
