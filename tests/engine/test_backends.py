@@ -44,3 +44,25 @@ def test_bad_backends_and_options_are_refused_naming_the_key(tmp_path):
     import iobackend_example  # noqa: F401 - registers "counting-example" in this process
 
     assert EngineConfig.from_dict({**base, "io_backend": "counting-example"}).io_backend == "counting-example"
+
+
+@pytest.mark.parametrize("backend", ["threads", "uring"])
+def test_buffered_reads_on_request(tmp_path, backend):
+    """io_options {"direct": false}: the page cache on purpose (a disk whose data it may hold)."""
+    from tutti.io.queue import available_backends
+
+    if backend not in available_backends():
+        pytest.skip(f"{backend} not available here")
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(3, [0, 1])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, io_backend=backend, io_options={"direct": False})
+    run_step(w, StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 3, (20, 21))]))
+    assert w.take_failed_blocks() == set()
+    fd = w.store.location(3, 0)[0]
+    assert w.queue.is_direct(fd) is False and w.queue.caps().direct_io is False
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[20, 21]], s[[0, 1]])
+    w.close()
+    with pytest.raises(ValueError, match="direct='no'"):
+        worker(tmp_path, make_caches(0), io_backend=backend, io_options={"direct": "no"})

@@ -79,7 +79,7 @@ def _pin(owner: np.ndarray, addr: int, nbytes: int) -> bool:
 
 
 def open_direct(path, write: bool = False, create: bool = False, *, dir_fd: int | None = None,
-                mode: int = 0o600) -> tuple[int, bool]:
+                mode: int = 0o600, prefer: bool = True) -> tuple[int, bool]:
     """Open `path` (relative to `dir_fd` when given; never through a symbolic link, never
     blocking on a FIFO) with O_DIRECT when the file system allows it; returns ``(fd, direct)``.
 
@@ -96,7 +96,7 @@ def open_direct(path, write: bool = False, create: bool = False, *, dir_fd: int 
     flags = os.O_RDWR if write else os.O_RDONLY
     if create:
         flags |= os.O_CREAT
-    o_direct = getattr(os, "O_DIRECT", 0)
+    o_direct = getattr(os, "O_DIRECT", 0) if prefer else 0  # prefer=False: the page cache on purpose
     if o_direct:
         try:
             return open_file(os.fspath(path), flags | o_direct, dir_fd=dir_fd, mode=mode, check=False), True

@@ -53,9 +53,14 @@ class ThreadQueue(CountedCompletions, IOQueue):
         max_in_flight: int | None = None,
         max_io_bytes: int = DEFAULT_MAX_IO,
         workers: int = 16,
+        direct: bool = True,
     ) -> None:
         if not isinstance(queue_depth, int) or queue_depth < 1:
             raise ValueError(f"queue_depth={queue_depth!r}: expected a positive int")
+        if not isinstance(direct, bool):
+            raise ValueError(f"direct={direct!r}: expected true (O_DIRECT where the file system allows it) or false "
+                             "(buffered reads: the page cache may already hold the data)")
+        self._prefer_direct = direct
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers={workers!r}: expected a positive int")
         if max_io_bytes <= 0 or max_io_bytes % ALIGN:
@@ -94,8 +99,8 @@ class ThreadQueue(CountedCompletions, IOQueue):
     def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False, *,
                   dir_fd: int | None = None) -> int:
         """O_DIRECT where the file system allows it, else buffered (recorded; see open_direct)."""
-        fd, direct = open_direct(path, write=write, create=create, dir_fd=dir_fd)
-        if not direct:
+        fd, direct = open_direct(path, write=write, create=create, dir_fd=dir_fd, prefer=self._prefer_direct)
+        if not direct and self._prefer_direct:
             log.info("tutti threads: %s refuses O_DIRECT; using buffered IO for this file", path)
         self._direct[fd] = direct
         return fd

@@ -202,7 +202,12 @@ class UringQueue(CountedCompletions, IOQueue):
         max_io_bytes: int = DEFAULT_MAX_IO,
         uring_setup_flags: int = 0,
         uring_reap_divisor: int = 4,
+        direct: bool = True,
     ) -> None:
+        if not isinstance(direct, bool):
+            raise ValueError(f"direct={direct!r}: expected true (O_DIRECT where the file system allows it) or false "
+                             "(buffered reads: the page cache may already hold the data)")
+        self._prefer_direct = direct
         if not isinstance(queue_depth, int) or not 1 <= queue_depth <= 32768:
             raise ValueError(f"queue_depth={queue_depth!r}: expected an int in [1, 32768]")
         if max_io_bytes <= 0 or max_io_bytes % ALIGN or max_io_bytes > (1 << 30):
@@ -339,8 +344,8 @@ class UringQueue(CountedCompletions, IOQueue):
 
     def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False, *,
                   dir_fd: int | None = None) -> int:
-        fd, direct = open_direct(path, write=write, create=create, dir_fd=dir_fd)
-        if not direct:
+        fd, direct = open_direct(path, write=write, create=create, dir_fd=dir_fd, prefer=self._prefer_direct)
+        if not direct and self._prefer_direct:
             log.info("tutti uring: %s refuses O_DIRECT; using buffered IO for this file", path)
         self._direct[fd] = direct
         self._device_max_io[fd] = _block_device_max_io(fd)
