@@ -1,8 +1,10 @@
 """Does TuttiConnectorV1 implement the connector API of the vLLM being imported?
 
-Imports vLLM's `KVConnectorBase_V1` and tutti's connector and checks that every abstract method
-is implemented, and that every method tutti defines which the base also defines takes the same
-parameters (names, kinds, order; tutti may add trailing ones with defaults or **kwargs).
+Imports vLLM's `KVConnectorBase_V1`, `SupportsHMA` and the OffloadingConnector's
+`SecondaryTierManager`, and tutti's classes built on them (TuttiConnectorV1,
+TuttiHybridConnectorV1, TuttiTier), and checks that every abstract method is implemented and that
+every method tutti defines which the base also defines takes the same parameters (names, kinds,
+order; tutti may add trailing ones with defaults or **kwargs).
 
     python3 scripts/check_vllm_api.py                     # the vLLM installed here
     PYTHONPATH=/tmp/v33/site python3 scripts/check_vllm_api.py   # another vLLM's Python code first
@@ -55,37 +57,59 @@ def _compatible(base_fn, ours_fn) -> str | None:
     return None
 
 
+def check_class(ours: type, base: type) -> tuple[list[str], list[str], dict[str, str]]:
+    """(base's abstract methods, overrides checked, problems) of `ours` against `base`."""
+    problems: dict[str, str] = {}
+    abstract = sorted(getattr(base, "__abstractmethods__", ()))
+    for name in abstract:
+        if name in getattr(ours, "__abstractmethods__", ()) or not callable(getattr(ours, name, None)):
+            problems[name] = f"abstract in vLLM's {base.__name__}, not implemented by {ours.__name__}"
+    checked = []
+    for klass in ours.__mro__:
+        if klass is base or not klass.__module__.startswith("tutti"):
+            continue
+        for name, fn in vars(klass).items():
+            theirs = getattr(base, name, None)
+            if name == "__init__" and theirs is object.__init__:
+                continue  # the base takes no constructor arguments of its own
+            if theirs is None or not callable(fn) and not isinstance(fn, (staticmethod, classmethod)) \
+                    or (name.startswith("__") and name != "__init__") or name in checked:
+                continue
+            checked.append(name)
+            why = _compatible(theirs, getattr(ours, name) if isinstance(fn, (staticmethod, classmethod)) else fn)
+            if why:
+                problems[name] = why
+    if getattr(ours, "__abstractmethods__", None):
+        problems.setdefault("__abstractmethods__", f"{ours.__name__} leaves {sorted(ours.__abstractmethods__)} abstract")
+    return abstract, sorted(checked), problems
+
+
 def check() -> dict:
     import vllm
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base as kvbase
 
-    from tutti.vllm.connector import TuttiConnectorV1
+    from tutti.vllm.connector import TuttiConnectorV1, TuttiHybridConnectorV1
 
-    problems: dict[str, str] = {}
-    abstract = sorted(getattr(KVConnectorBase_V1, "__abstractmethods__", ()))
-    for name in abstract:
-        if name in getattr(TuttiConnectorV1, "__abstractmethods__", ()):
-            problems[name] = "abstract in vLLM, not implemented by TuttiConnectorV1"
-    checked = []
-    for name, ours in vars(TuttiConnectorV1).items():
-        base = getattr(KVConnectorBase_V1, name, None)
-        if base is None or not callable(ours) or name.startswith("__") or isinstance(ours, (staticmethod, classmethod)):
-            if isinstance(ours, (staticmethod, classmethod)) and base is not None:
-                why = _compatible(base, getattr(TuttiConnectorV1, name))
-                checked.append(name)
-                if why:
-                    problems[name] = why
-            continue
-        checked.append(name)
-        why = _compatible(base, ours)
-        if why:
-            problems[name] = why
+    pairs = [(TuttiConnectorV1, kvbase.KVConnectorBase_V1)]
+    if hasattr(kvbase, "SupportsHMA"):
+        pairs.append((TuttiHybridConnectorV1, kvbase.SupportsHMA))
     try:
-        TuttiConnectorV1.__new__(TuttiConnectorV1)  # abc refuses a class with abstract methods left
-    except TypeError as exc:
-        problems.setdefault("__new__", str(exc))
-    return {"vllm": getattr(vllm, "__version__", "?"), "vllm_path": os.path.dirname(vllm.__file__),
-            "abstract_methods": abstract, "checked_overrides": sorted(checked), "problems": problems}
+        from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+
+        from tutti.vllm.tier import TuttiTier
+
+        pairs.append((TuttiTier, SecondaryTierManager))
+    except ImportError:  # a vLLM without tiered offloading
+        pass
+    out = {"vllm": getattr(vllm, "__version__", "?"), "vllm_path": os.path.dirname(vllm.__file__), "classes": {},
+           "problems": {}}
+    for ours, base in pairs:
+        abstract, checked, problems = check_class(ours, base)
+        out["classes"][f"{ours.__name__} vs {base.__name__}"] = {"abstract_methods": abstract, "checked_overrides": checked}
+        out["problems"].update({f"{ours.__name__}.{k}": v for k, v in problems.items()})
+    first = out["classes"][f"TuttiConnectorV1 vs KVConnectorBase_V1"]
+    out["abstract_methods"], out["checked_overrides"] = first["abstract_methods"], first["checked_overrides"]
+    return out
 
 
 if __name__ == "__main__":

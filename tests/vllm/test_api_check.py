@@ -22,6 +22,11 @@ def test_the_installed_vllm_api_is_implemented():
     out = check_vllm_api.check()
     assert out["problems"] == {}, out["problems"]
     assert set(out["abstract_methods"]) <= set(out["checked_overrides"])
+    # the connector, its hybrid variant and the OffloadingConnector tier, each against its vLLM base
+    assert set(out["classes"]) == {"TuttiConnectorV1 vs KVConnectorBase_V1", "TuttiHybridConnectorV1 vs SupportsHMA",
+                                   "TuttiTier vs SecondaryTierManager"}
+    tier = out["classes"]["TuttiTier vs SecondaryTierManager"]
+    assert set(tier["abstract_methods"]) <= set(tier["checked_overrides"]) and "__init__" in tier["checked_overrides"]
 
 
 def test_the_check_catches_a_wrong_signature():
