@@ -154,6 +154,26 @@ def _wrapped_worker(tmp_path, caches, fail_read=None, **kw):
     return w
 
 
+def test_lookahead_auto_reads_as_far_as_the_load_slots_allow(tmp_path):
+    """lookahead "auto": read-ahead bounded by staging space, not by a count of layers: with 8 load
+    slots and 3 layers of one item each, every layer's reads are out before layer 0 computes."""
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])
+    dst = make_caches(1)
+    w = _wrapped_worker(tmp_path, dst, lookahead="auto")
+    seg = geometry().segment_bytes
+    w.start_step(StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 1, (8, 9)), LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]))
+    assert {(o % geometry().slot_bytes) // seg for _, op, o in w.queue.log if op == "read"} == set(range(L))
+    for layer in range(L):
+        w.wait_layer(layer)
+        w.save_layer(layer)
+    w.end_step()
+    assert w.take_failed_blocks() == set()
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
+    w.close()
+
+
 def test_rolling_read_never_runs_ahead_of_lookahead(tmp_path):
     src = make_caches(0)
     store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])

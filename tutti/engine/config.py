@@ -174,7 +174,8 @@ class EngineConfig:
     chunk_tokens: int = 256
     io_backend: str = "auto"
     kernel_variant: str = "auto"
-    lookahead: int = 2  # layers read ahead of the layer being computed
+    # layers read ahead of the layer being computed; "auto": as far as the load staging slots allow
+    lookahead: Any = 2
     # A load read not done after this many seconds (a stalled network file system) fails its
     # chunk, which vLLM recomputes, instead of hanging the step.
     io_timeout_s: float = 10.0
@@ -239,6 +240,8 @@ class EngineConfig:
             "capacity_bytes", raw.pop("capacity_bytes"))}
         if "staging_bytes" in raw:
             kw["staging_bytes"] = parse_bytes("staging_bytes", raw.pop("staging_bytes"))
+        if raw.get("lookahead") == "auto":
+            kw["lookahead"] = raw.pop("lookahead")
         for name, lo, hi in (("chunk_tokens", 1, 1 << 20), ("lookahead", 1, 1024), ("staging_slots", 2, 4096),
                              ("max_inflight_stores", 1, 4096), ("slots_per_slab", 1, 1 << 20),
                              ("max_open_slabs", 1, 1 << 20)):
@@ -343,7 +346,7 @@ class EngineConfig:
                 f"max_inflight_stores={self.max_inflight_stores}: must leave at least one "
                 f"of staging_slots={self.staging_slots} for loads; expected at most {self.staging_slots - 1}"
             )
-        if self.lookahead > self.staging_slots - self.max_inflight_stores:
+        if self.lookahead != "auto" and self.lookahead > self.staging_slots - self.max_inflight_stores:
             raise ConfigError(
                 f"lookahead={self.lookahead}: loads may use only staging_slots - "
                 f"max_inflight_stores = {self.staging_slots - self.max_inflight_stores} slots; lower lookahead "

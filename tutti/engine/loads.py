@@ -54,6 +54,8 @@ class LoadPipeline:
         self.forget = forget  # a corrupt or unreadable chunk: journal its slot free
         self.per_slot = ring.slot_bytes // ctx.seg
         self.maps = bool(getattr(ctx.store, "maps_ram", False))  # loads copy from mapped slabs (RAM roots)
+        # layers read ahead of the one computing; "auto": bounded by the free load slots alone
+        self.ahead = ctx.num_layers if ctx.cfg.lookahead == "auto" else ctx.cfg.lookahead
         if ctx.cuda:
             self.stream = torch.cuda.Stream(ctx.device)
         self._loads: list[LoadChunk] = []
@@ -120,7 +122,7 @@ class LoadPipeline:
                 idx = todo[k:k + self.per_slot]
                 self._items.append(_Item(layer, idx, [self._loads[i] for i in idx]))
         if layerwise:
-            self._pump(ctx.cfg.lookahead - 1)
+            self._pump(self.ahead - 1)
         else:
             self.wait_layer(ctx.num_layers - 1)
 
@@ -231,7 +233,7 @@ class LoadPipeline:
                 self._pump(self._items[self._next_process].layer)
                 self._process(self._items[self._next_process])
                 self._next_process += 1
-            self._pump(layer + self.ctx.cfg.lookahead)
+            self._pump(layer + self.ahead)
             ev = None
             for l in [k for k in self._layer_events if k <= layer]:
                 ev = self._layer_events.pop(l)  # the load stream is in order: the last one covers the rest
@@ -242,7 +244,7 @@ class LoadPipeline:
 
     def after_layer(self, layer: int) -> None:
         if self._items:
-            self._pump(layer + self.ctx.cfg.lookahead)
+            self._pump(layer + self.ahead)
 
     def finish(self) -> None:
         """End of the step. Loads the forward pass did not wait for are failed, never served: a
