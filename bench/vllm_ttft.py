@@ -117,35 +117,34 @@ def count_syncs(fn):
     return out, counts
 
 
-def run_case(case: str, a) -> dict:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def bench_engine(model: str, kvt: dict | None, *, max_len: int, gpu_mem: float, eager: bool,
+                 kernel_config: bool = True, compilation_config: dict | None = None):
+    """A vllm.LLM for the benchmarks through the demo's make_llm (one harness): vLLM's default mode
+    (torch.compile + CUDA graphs) unless `eager`; on the CPU build a smoke-run engine."""
     import torch
-    from vllm import SamplingParams
 
-    kvt = connector_config(case, a)
-    # the demo's engine (tutti.demo.make_llm: one harness), in vLLM's default mode unless --eager
-    kw = dict(skip_tokenizer_init=True, gpu_memory_utilization=a.gpu_mem, max_model_len=max(a.lengths) + 512,
-              max_num_batched_tokens=max(a.lengths) + 512, max_num_seqs=256, dtype="bfloat16",
-              enforce_eager=bool(a.eager), block_size=16)
-    if a.eager:
-        pass
-    elif case == "recompute_piecewise":
-        kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
-    if not torch.cuda.is_available():  # the CPU build (a smoke run of this script)
+    from tutti.demo import make_llm
+
+    kw = dict(skip_tokenizer_init=True, gpu_memory_utilization=gpu_mem, max_model_len=max_len,
+              max_num_batched_tokens=max_len, max_num_seqs=256, dtype="bfloat16", enforce_eager=bool(eager),
+              block_size=16)
+    if compilation_config and not eager:
+        kw["compilation_config"] = compilation_config
+    if not torch.cuda.is_available():  # the CPU build (a smoke run)
         kw.update(block_size=32, dtype="float32", enforce_eager=True)
         kw.pop("gpu_memory_utilization")
         kw.pop("compilation_config", None)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    elif a.kernel_config:
+    elif kernel_config:
         kw["kernel_config"] = {"enable_flashinfer_autotune": False, "enable_cutedsl_warmup": False}
-    from tutti.demo import make_llm
+    return make_llm(model, kv_transfer_config=kvt, **kw)
 
-    t0 = time.time()
-    llm = make_llm(a.model, kv_transfer_config=kvt, **kw)
-    start_s = time.time() - t0
-    vocab = llm.llm_engine.model_config.get_vocab_size()
-    one = SamplingParams(max_tokens=1, temperature=0, detokenize=False, ignore_eos=True)
-    sixteen = SamplingParams(max_tokens=16, temperature=0, detokenize=False, ignore_eos=True)
+
+def timed_generate(llm):
+    """gen(prompts, sampling) -> (seconds, outputs), the device synchronized around each call;
+    plus greedy SamplingParams of 1 and 16 tokens."""
+    import torch
+    from vllm import SamplingParams
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
@@ -155,6 +154,23 @@ def run_case(case: str, a) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         sync()
         return time.perf_counter() - t, outs
+
+    one = SamplingParams(max_tokens=1, temperature=0, detokenize=False, ignore_eos=True)
+    sixteen = SamplingParams(max_tokens=16, temperature=0, detokenize=False, ignore_eos=True)
+    return gen, one, sixteen
+
+
+def run_case(case: str, a) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import SamplingParams
+
+    t0 = time.time()
+    llm = bench_engine(a.model, connector_config(case, a), max_len=max(a.lengths) + 512, gpu_mem=a.gpu_mem,
+                       eager=a.eager, kernel_config=a.kernel_config,
+                       compilation_config={"cudagraph_mode": "PIECEWISE"} if case == "recompute_piecewise" else None)
+    start_s = time.time() - t0
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    gen, one, sixteen = timed_generate(llm)
 
     def settle():
         worker = None

@@ -45,41 +45,17 @@ def kvt(tier: str, root: str, cpu_bytes: int) -> dict:
 
 def phase(a) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    import torch
-    from vllm import LLM, SamplingParams
-
     from tutti.vllm.plugin import register
 
     register()  # the tier type "tutti" (vLLM 0.26 finds tiers by registered name only)
-    from vllm_ttft import prompt
+    from vllm_ttft import bench_engine, prompt, timed_generate
 
-    kw = dict(model=a.model, skip_tokenizer_init=True, load_format="dummy", seed=0, gpu_memory_utilization=0.5,
-              max_model_len=max(a.lengths) + 512, max_num_batched_tokens=max(a.lengths) + 512,
-              enable_prefix_caching=True, dtype="bfloat16",
-              kernel_config={"enable_flashinfer_autotune": False, "enable_cutedsl_warmup": False},
-              kv_transfer_config=kvt(a.tier, a.root, a.cpu_bytes))
-    if a.eager:
-        kw["enforce_eager"] = True
-    if not torch.cuda.is_available():  # the CPU build: a smoke run of the connector case only
-        kw.update(block_size=32, dtype="float32", enforce_eager=True)
-        kw.pop("gpu_memory_utilization")
-        kw.pop("kernel_config")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     t0 = time.time()
-    llm = LLM(**kw)
+    llm = bench_engine(a.model, kvt(a.tier, a.root, a.cpu_bytes), max_len=max(a.lengths) + 512, gpu_mem=0.5,
+                       eager=a.eager)
     out = {"phase": a.phase, "tier": a.tier, "engine_start_s": time.time() - t0, "lengths": {}}
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    one = SamplingParams(max_tokens=1, temperature=0, detokenize=False, ignore_eos=True)
-    sixteen = SamplingParams(max_tokens=16, temperature=0, detokenize=False, ignore_eos=True)
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-    def gen(ps, sp):
-        sync()
-        t = time.perf_counter()
-        o = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-        sync()
-        return time.perf_counter() - t, o
+    gen, one, sixteen = timed_generate(llm)
 
     gen([prompt(998, 64, vocab)], one)  # warm-up
     for n in a.lengths:
