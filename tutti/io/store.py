@@ -241,7 +241,7 @@ class ChunkStore:
     # ---- opening ------------------------------------------------------------------------
     def _prepare_root(self, i: int) -> bool:
         """Check (and for a writer create) root i and its namespace dir. True if the namespace exists."""
-        root, ns = self.roots[i], self.namespaces[i]
+        root = self.roots[i]
         parent = os.path.dirname(root)
         if not os.path.exists(root):
             if os.path.exists(parent) and not os.path.isdir(parent):
@@ -283,16 +283,19 @@ class ChunkStore:
         except UnsafeFileError:
             raise StoreRootError(f"store root {root!r} is a symbolic link; pass the directory it points to "
                                  f"({os.path.realpath(root)!r})") from None
-        top = os.path.join(root, NAMESPACE_PREFIX + self.digest)
-        fd = self._child_dir(self._root_fds[i], top, need)
+        self._ns_fds[i] = self._walk_namespace(i, need)
+        return self._ns_fds[i] is not None
+
+    def _walk_namespace(self, i: int, need: int) -> int | None:
+        """Root i's namespace directory and, for a named writer, its own directory inside it:
+        the descriptor every file of this store is opened relative to (None: not there yet)."""
+        fd = self._child_dir(self._root_fds[i], os.path.join(self.roots[i], NAMESPACE_PREFIX + self.digest), need)
         if fd is None or not self.writer_id:
-            self._ns_fds[i] = fd
-            return fd is not None
+            return fd
         try:  # this writer's own directory inside the shared namespace
-            self._ns_fds[i] = self._child_dir(fd, ns, need)
+            return self._child_dir(fd, self.namespaces[i], need)
         finally:
             os.close(fd)
-        return self._ns_fds[i] is not None
 
     def _child_dir(self, parent_fd: int, path: str, need: int) -> int | None:
         """Open directory `path` (its basename under `parent_fd`), creating it for a writer;
@@ -535,9 +538,9 @@ class ChunkStore:
                 if ns_fd is None:
                     continue
                 for name in os.listdir(ns_fd):
-                    digits = name[5:-4] if name.startswith("slab-") and name.endswith(".bin") else ""
-                    if digits.isdigit() and self._slab_length(r, int(digits)) and self._maps.get((r, int(digits))) is None:
-                        self._map_slab(r, int(digits))
+                    slab = _slab_sort_key(name)[0]  # -1: not a slab file
+                    if slab >= 0 and self._slab_length(r, slab) and self._maps.get((r, slab)) is None:
+                        self._map_slab(r, slab)
             return self._maps.mapped_bytes
 
     @property
@@ -575,14 +578,7 @@ class ChunkStore:
         """Root r's namespace descriptor; a reader opened before the writer created the
         namespace opens it once it exists (checked like any namespace)."""
         if self._ns_fds[r] is None and self._root_fds[r] is not None:
-            top = os.path.join(self.roots[r], NAMESPACE_PREFIX + self.digest)
-            fd = self._child_dir(self._root_fds[r], top, os.R_OK | os.X_OK)
-            if fd is not None and self.writer_id:
-                try:
-                    fd, top_fd = self._child_dir(fd, self.namespaces[r], os.R_OK | os.X_OK), fd
-                finally:
-                    os.close(top_fd)
-            self._ns_fds[r] = fd
+            self._ns_fds[r] = self._walk_namespace(r, os.R_OK | os.X_OK)
         return self._ns_fds[r]
 
     def _open_slab(self, r: int, slab: int) -> int:
