@@ -73,7 +73,6 @@ class LoadPipeline:
         self._stragglers: list[tuple[_Item, object]] = []  # (item, event) of reads that missed their deadline
         self._mapped_ready: object = None  # CUDA event: the chunk-major loads from mapped slabs are scattered
         self._mapped_pending = False  # chunk-major loads issued that no wait_layer has waited for yet
-        self._mapped_count = 0  # the first loads of the step went chunk-major
         self._t0 = 0.0
         self.trace: list[tuple[str, int, float]] | None = None
 
@@ -84,7 +83,7 @@ class LoadPipeline:
         self._items, self._loads, self._sums = [], [], []
         self._next_submit = self._next_process = 0
         self._layer_events = {}
-        self._mapped_ready, self._mapped_pending, self._mapped_count = None, False, 0
+        self._mapped_ready, self._mapped_pending = None, False
         if loads:
             self.journal.new_step()
             if self.foreign is not None:
@@ -153,7 +152,6 @@ class LoadPipeline:
         self._sums = [self._sums[i] for i in order + rest]
         views = [views[i] for i in order]
         buf = self.ring.device_buffer if ctx.cuda else self.ring.buffer
-        L, seg = ctx.num_layers, ctx.seg
         with self._on_stream():
             for g in range(0, len(views), per_group):
                 self._load_group(buf, g, views[g:g + per_group])
@@ -163,7 +161,7 @@ class LoadPipeline:
                 ev.record(self.stream)
         for slot in slots:
             self.ring.release(slot, ev)
-        self._mapped_ready, self._mapped_pending, self._mapped_count = ev, True, len(views)
+        self._mapped_ready, self._mapped_pending = ev, True
         return len(views)
 
     def _load_group(self, buf: torch.Tensor, first: int, views: list[torch.Tensor]) -> None:
@@ -199,15 +197,18 @@ class LoadPipeline:
 
     def _tags_match(self, ld: LoadChunk, sums: tuple[int, ...], view: torch.Tensor) -> bool:
         """With a secret: every layer's keyed tag, on the host, before anything is copied."""
-        ctx, seg = self.ctx, self.ctx.seg
-        data = view.numpy()
+        seg, data = self.ctx.seg, view.numpy()
         with nvtx_range("verify", 0):
-            for layer in range(ctx.num_layers):
-                if ctx.mac.tag(ld.key, layer, data[layer * seg:(layer + 1) * seg]) != sums[layer]:
-                    self._fail(ld, f"keyed tag mismatch in layer {layer}: not written by a holder of the secret")
-                    self.forget(ld)
-                    return False
-        return True
+            return all(self._tag_ok(ld, layer, data[layer * seg:(layer + 1) * seg], sums[layer])
+                       for layer in range(self.ctx.num_layers))
+
+    def _tag_ok(self, ld: LoadChunk, layer: int, data, want: int) -> bool:
+        """One segment's keyed tag; a mismatch fails the chunk and journals it free."""
+        if self.ctx.mac.tag(ld.key, layer, data) == want:
+            return True
+        self._fail(ld, f"keyed tag mismatch in layer {layer}: not written by a holder of the secret")
+        self.forget(ld)
+        return False
 
     def _source(self, ld: LoadChunk) -> tuple[object, JournalView]:
         """(store, journal view) holding `ld`: ours, or another writer's (opened read-only)."""
@@ -448,19 +449,12 @@ class LoadPipeline:
 
     def _check_tags(self, item: _Item, good: list[tuple[int, LoadChunk]]) -> list[tuple[int, LoadChunk]]:
         """With a secret: each segment's keyed tag, on the host, before anything reaches the GPU."""
-        ctx, seg = self.ctx, self.ctx.seg
+        seg = self.ctx.seg
         host = item.slot.host.numpy()
-        ok = []
         with nvtx_range("verify", item.layer):
-            for i, ld in good:
-                want = self._sums[item.idx[i]][item.layer]
-                data = item.mapped[i].numpy() if i in item.mapped else host[i * seg:(i + 1) * seg]
-                if ctx.mac.tag(ld.key, item.layer, data) != want:
-                    self._fail(ld, f"keyed tag mismatch in layer {item.layer}: not written by a holder of the secret")
-                    self.forget(ld)
-                else:
-                    ok.append((i, ld))
-        return ok
+            return [(i, ld) for i, ld in good
+                    if self._tag_ok(ld, item.layer, item.mapped[i].numpy() if i in item.mapped else
+                                    host[i * seg:(i + 1) * seg], self._sums[item.idx[i]][item.layer])]
 
     def _scatter_partial(self, layer: int, seg: torch.Tensor, blocks: tuple[int, ...], skip: int) -> None:
         """Scatter only the blocks after the first `skip` (vLLM's own prefix cache, or blocks a
