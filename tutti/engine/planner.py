@@ -189,7 +189,6 @@ class Planner:
             return
         first = r.local_computed // self.chunk_tokens
         last = (r.local_computed + num_external_tokens) // self.chunk_tokens
-        bpc = self.blocks_per_chunk
         for c in range(first, last):
             key = r.keys[c]
             # Where match() found it. Our own chunks are pinned from there and cannot vanish; another
@@ -277,7 +276,6 @@ class Planner:
                 self.stats.evictions += len(res.evicted)
                 self._events.append(("removed", list(res.evicted)))
             self.stats.stores_declined += len(res.declined)
-            bpc = self.blocks_per_chunk
             for r, c in want:
                 key = r.keys[c]
                 slot = res.slots.pop(key, None)

@@ -79,7 +79,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         self._cfg = EngineConfig.from_dict(self._extra, rank=compat.worker_rank(vllm_config))
         # hybrid models: full and sliding-window groups (anything else stops here, named)
         groups = compat.kv_groups(kv_cache_config)
-        if len(groups) > 1 and not isinstance(self, compat.HMA_MIXINS or ()):
+        if len(groups) > 1 and not isinstance(self, compat.HMA_MIXINS):
             raise ValueError(
                 f"TuttiConnectorV1: this model has {len(groups)} KV cache groups (vLLM's hybrid KV cache manager is "
                 "on); use \"kv_connector\": \"TuttiHybridConnectorV1\" for hybrid models, or let vLLM turn the "
@@ -204,22 +204,23 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.end_step()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def _completions(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(requests whose stores are done, asynchronous loads received, asynchronous loads failed)."""
         if self._worker is None:
-            return None, None
-        done = self._worker.finished_requests(set(finished_req_ids))
-        received, failed = self._worker.received_requests()  # failed: only where get_transfer_results is not
+            return set(), set(), set()
+        received, failed = self._worker.received_requests()
+        return self._worker.finished_requests(set(finished_req_ids)), received, failed
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, received, failed = self._completions(finished_req_ids)
+        # failures are told through get_transfer_results; a vLLM without it is refused for hybrid models at start
         assert not failed, "asynchronous load failures need get_transfer_results (refused at start otherwise)"
         return (done or None), received or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """vLLM 0.32+: stores done, asynchronous loads received, and those that failed (vLLM
         recomputes those requests)."""
-        if self._worker is None:
-            return compat.make_transfer_results(set(), set())
-        done = self._worker.finished_requests(set(finished_req_ids))
-        received, failed = self._worker.received_requests()
-        return compat.make_transfer_results(done, received, failed)
+        return compat.make_transfer_results(*self._completions(finished_req_ids))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
