@@ -596,22 +596,8 @@ class Journal:
                 self.followed_bytes = st.st_size
                 return True
             start = self._durable
-            window = _Window(_pread_reader(fd), st.st_size, _next_data(fd))
-
-            def warn(pos: int, reason: str) -> None:
-                if (st.st_ino, pos) not in self._warned and len(self._warned) < 64 * MAX_SKIP_DETAILS:
-                    self._warned.add((st.st_ino, pos))
-                    _warn_skip(repr(self.path), pos, reason)
-
-            r = _Replay(window, expected_checksums=self.expected_checksums, max_slot=self.max_slot, warn=warn,
-                        state=self.entries)
-            r.live = self._live
-            r.run(start)
+            self._replay(fd, st.st_size, start=start)
             self._seen = sig
-            self.live_bytes = sum(r.live.values())
-            self._durable = r.end
-            self.dropped_tail_bytes = r.tail
-            self.skipped_records += r.skipped
             self.followed_bytes = st.st_size - start
             return True
         finally:
@@ -623,7 +609,9 @@ class Journal:
         st = self._lstat(self._name)
         return (st is not None) if self._seen is None else (st is None or _signature(st) != self._seen)
 
-    def _replay(self, fd: int | None, size: int) -> None:
+    def _replay(self, fd: int | None, size: int, *, start: int = 0) -> None:
+        """Replay the file's records: all of them, or (start > 0, a follower catching up) those
+        from `start` on top of the state already replayed."""
         if fd is None:
             window = _Window(lambda off, n: b"", 0)
         else:
@@ -636,17 +624,24 @@ class Journal:
                 self._warned.add((ident, pos))
                 _warn_skip(repr(self.path), pos, reason)
 
-        r = _Replay(window, expected_checksums=self.expected_checksums, max_slot=self.max_slot, warn=warn).run()
-        if r.skipped > len(r.details) and r.skipped != self.skipped_records:
-            log.warning("tutti journal %r: %d invalid or damaged records skipped in all (the first %d logged)",
-                        self.path, r.skipped, len(r.details))
-        if r.tail:
-            log.info("tutti journal %r: dropped a torn tail of %d B at byte offset %d", self.path, r.tail, r.end)
+        r = _Replay(window, expected_checksums=self.expected_checksums, max_slot=self.max_slot, warn=warn,
+                    state=self.entries if start else None)
+        if start:
+            r.live = self._live
+        r.run(start)
         self.entries = r.state
         self._live = r.live
         self.live_bytes = sum(r.live.values())
         self._durable = r.end
         self.dropped_tail_bytes = r.tail
+        if start:  # a follower: a torn tail is the writer's append in progress, not news
+            self.skipped_records += r.skipped
+            return
+        if r.skipped > len(r.details) and r.skipped != self.skipped_records:
+            log.warning("tutti journal %r: %d invalid or damaged records skipped in all (the first %d logged)",
+                        self.path, r.skipped, len(r.details))
+        if r.tail:
+            log.info("tutti journal %r: dropped a torn tail of %d B at byte offset %d", self.path, r.tail, r.end)
         self.skipped_records = r.skipped
         self.skipped_details = r.details
 
