@@ -20,6 +20,7 @@ import time
 from typing import Callable
 
 from tutti.engine.context import JournalView
+from tutti.engine.planner import rebuild_entries
 
 log = logging.getLogger("tutti.engine")
 
@@ -101,12 +102,8 @@ class ForeignIndex:
                     log.debug("tutti: following writer %r: %s", w, exc)
                     per_rank = []
                     break
-            if not per_rank:
-                continue
-            first = per_rank[0]
-            for slot, key in first.items():
-                if key not in new and all(other.get(slot) == key for other in per_rank[1:]):
-                    new[key] = (w, slot)
+            for slot, key in rebuild_entries(per_rank).items():  # held by every store rank, same slot
+                new.setdefault(key, (w, slot))
         with self._lock:
             self._map = new
             self._bad = {b for b in self._bad if new.get(b[2]) == (b[0], b[1])}
