@@ -6,9 +6,9 @@ secondary tier), PYTHONHASHSEED fixed (vLLM's offload keys are seeded by it):
   proof (tiny model, eager): store -> fresh process: hit from tutti's tier, tokens equal the
       storing run's -> every stored chunk damaged on disk -> fresh process: tokens still equal
       (the tier refuses the damaged chunks; vLLM recomputes), refusals counted from the log.
-  bench (8B KV geometry, vLLM's default mode): for vLLM's fs tier, TuttiTier and tutti's own
-      connector, all on the same disk: store the prompt, then a fresh process times the hit; ratio
-      to the storing run's first prefill of the same call.
+  bench (8B KV geometry, vLLM's default mode): no connector (recompute, timed in a fresh process
+      like the hits), vLLM's fs tier, TuttiTier and tutti's own connector, all on the same disk:
+      store the prompt, then a fresh process times the hit; ratio to recompute of the same call.
 
     python3 scripts/gpu_tier.py --out /tmp/tier [--lengths 32768] [--skip-bench]
 """
@@ -30,7 +30,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
-def kvt(tier: str, root: str, cpu_bytes: int) -> dict:
+def kvt(tier: str, root: str, cpu_bytes: int) -> dict | None:
+    if tier == "none":  # no connector: the recompute baseline of the same call
+        return None
     if tier == "connector":  # tutti's own layer-wise connector on the same disk, for the same table
         return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
                 "kv_role": "kv_both", "kv_connector_extra_config": {
@@ -137,8 +139,9 @@ def main() -> None:
     ap.add_argument("--skip-proof", action="store_true")
     ap.add_argument("--disk", default="/tmp/tier-disk")
     ap.add_argument("--tiny-bench", action="store_true", help="the bench on the tiny model (a CPU smoke run)")
-    ap.add_argument("--bench-tiers", default="fs,tutti,connector",
-                    help="fs: vLLM's fs tier; tutti: TuttiTier; connector: TuttiConnectorV1 (all on --disk)")
+    ap.add_argument("--bench-tiers", default="none,fs,tutti,connector",
+                    help="none: no connector (recompute); fs: vLLM's fs tier; tutti: TuttiTier; "
+                    "connector: TuttiConnectorV1 (all on --disk)")
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
     if a.phase:
@@ -178,23 +181,30 @@ def main() -> None:
         for tier in a.bench_tiers.split(","):
             root = os.path.join(a.disk, tier)
             shutil.rmtree(root, ignore_errors=True)
-            s = run_phase(a, "store", tier, root, model, a.lengths, False)
+            # no connector stores nothing: its one (fresh-process) run is the recompute baseline
+            s = {"skipped": True} if tier == "none" else run_phase(a, "store", tier, root, model, a.lengths, False)
             h = run_phase(a, "hit", tier, root, model, a.lengths, False)
             report["bench"][tier] = {"store": s, "hit": h}
             with open(os.path.join(a.out, "tier.json"), "w") as f:
                 json.dump(report, f, indent=1)
             shutil.rmtree(root, ignore_errors=True)
         rows = []
+        base = report["bench"].get("none", {}).get("hit", {})
         for n in a.lengths:
             for tier, r in report["bench"].items():
                 if "error" in r["store"] or "error" in r["hit"]:
                     rows.append(f"| {n} | {tier} | ERROR | | | |")
                     continue
-                st, hi = r["store"]["lengths"][str(n)], r["hit"]["lengths"][str(n)]
-                rows.append(f"| {n} | {tier} | {st['seconds']:.3f} | {hi['seconds']:.3f} | {hi['seconds'] / st['seconds']:.2f}x | "
-                            f"{hi['cached_tokens']} | {hi['tokens16'] == st['tokens16']} |")
-        md = ("| prompt | secondary tier (disk) | first prefill, storing (s) | hit, fresh process (s) | hit / first | "
-              "cached tokens | tokens equal |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+                hi = r["hit"]["lengths"][str(n)]
+                st = r["store"]["lengths"][str(n)] if "lengths" in r["store"] else {"seconds": float("nan"),
+                                                                                   "tokens16": hi["tokens16"]}
+                rec = base.get("lengths", {}).get(str(n))
+                vs = f"{hi['seconds'] / rec['seconds']:.2f}x" if rec else "n/a"
+                same = hi["tokens16"] == (rec or st)["tokens16"]
+                rows.append(f"| {n} | {tier} | {st['seconds']:.3f} | {hi['seconds']:.3f} | {vs} | "
+                            f"{hi['cached_tokens']} | {same} |")
+        md = ("| prompt | case (disk) | first prefill, storing (s) | fresh process (s) | / recompute (none) | "
+              "cached tokens | tokens equal recompute |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
         report["markdown"] = md
         print(md)
     with open(os.path.join(a.out, "tier.json"), "w") as f:
