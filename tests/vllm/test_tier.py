@@ -140,3 +140,38 @@ def test_an_auto_dtype_is_resolved_from_vllms_config(tmp_path):
             t = TuttiTier(s, memoryview(primary()), "TuttiTier", root=str(tmp_path / want), capacity_bytes="1MiB")
         assert t._store.fingerprint.cache_dtype == want
         t.shutdown()
+
+
+def test_an_auto_dtype_is_resolved_from_the_constructing_connector(tmp_path):
+    """vLLM 0.26 builds the scheduler outside set_current_vllm_config: the tier finds the config
+    the OffloadingConnector that constructs it holds (found on the H200: 'auto' refused there)."""
+    import torch
+    from vllm.config import VllmConfig
+
+    s = spec()
+    s.config.model.dtype = "auto"
+
+    def offloading_connector_init(vllm_config):  # stands where vLLM's connector constructor stands
+        return TuttiTier(s, memoryview(primary()), "TuttiTier", root=str(tmp_path / "c"), capacity_bytes="1MiB")
+
+    cfg = VllmConfig()
+    cfg.model_config = SimpleNamespace(dtype=torch.float16)
+    t = offloading_connector_init(cfg)
+    assert t._store.fingerprint.cache_dtype == "float16"
+    t.shutdown()
+
+
+def test_an_unresolvable_dtype_needs_the_tiers_own_key(tmp_path):
+    s = spec()
+    s.config.model.dtype = "auto"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        TuttiTier(s, memoryview(primary()), "TuttiTier", root=str(tmp_path / "a"), capacity_bytes="1MiB")
+    assert not (tmp_path / "a").exists()  # refused before any IO
+    t = TuttiTier(s, memoryview(primary()), "TuttiTier", root=str(tmp_path / "b"), capacity_bytes="1MiB",
+                  kv_cache_dtype="bfloat16")
+    assert t._store.fingerprint.cache_dtype == "bfloat16"
+    t.shutdown()
+    s.config.model.dtype = "float16"  # vLLM says float16: a key saying otherwise is refused, naming both
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='bfloat16'.*'float16'"):
+        TuttiTier(s, memoryview(primary()), "TuttiTier", root=str(tmp_path / "c"), capacity_bytes="1MiB",
+                  kv_cache_dtype="bfloat16")

@@ -144,6 +144,41 @@ def _dtype_of(vllm_config: Any) -> tuple[str, int]:
     raise ValueError(f"cache_dtype={cache_dtype!r}: tutti does not know its element size yet")
 
 
+def constructing_vllm_config(max_frames: int = 24) -> Any | None:
+    """The VllmConfig of whatever vLLM code is constructing us, or None.
+
+    vLLM 0.32 builds the scheduler inside `set_current_vllm_config`; vLLM 0.26 does not, and
+    its offloading tiers are handed only a digest of the config (KV dtype 'auto' unresolved).
+    The OffloadingConnector that builds the tier holds the whole config as a local, so look a
+    few frames up for one (by type, never by guessing)."""
+    import sys
+
+    try:
+        from vllm.config import get_current_vllm_config
+
+        cfg = get_current_vllm_config()
+        if getattr(cfg, "model_config", None) is not None:
+            return cfg
+    except Exception:  # noqa: BLE001 - not set in this process: look at the callers
+        pass
+    from vllm.config import VllmConfig
+
+    f = sys._getframe(1)
+    for _ in range(max_frames):
+        if f is None:
+            break
+        v = f.f_locals.get("vllm_config")
+        if isinstance(v, VllmConfig) and v.model_config is not None:
+            return v
+        f = f.f_back
+    return None
+
+
+def kv_dtype_name(vllm_config: Any) -> str:
+    """The KV cache's element type as a name ('bfloat16', 'fp8_e4m3', ...), 'auto' resolved."""
+    return _dtype_of(vllm_config)[0]
+
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model")
 _SAMPLE_PAGES, _PAGE = 16, 4096
 

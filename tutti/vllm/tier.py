@@ -47,27 +47,30 @@ JobResult = _tiering.JobResult
 RequestOffloadingContext = _tiering.RequestOffloadingContext if hasattr(_tiering, "RequestOffloadingContext") else \
     __import__("vllm.v1.kv_offload.base", fromlist=["RequestOffloadingContext"]).RequestOffloadingContext
 
-_KNOWN = {"root", "roots", "capacity_bytes", "secret_file", "secret_env", "slots_per_slab", "io_threads", "locality"}
+_KNOWN = {"root", "roots", "capacity_bytes", "secret_file", "secret_env", "slots_per_slab", "io_threads", "locality",
+          "kv_cache_dtype"}
 
 
-def _resolved_dtype(raw: str) -> str:
+def _resolved_dtype(raw: str, given: str | None = None) -> str:
     """The KV cache's element type: the tier's config says 'auto' when it follows the model's
     dtype, so resolve that from vLLM's config (fp16 and bf16 KV of one model are different
-    bytes and must be different namespaces). Raises when it cannot be resolved."""
+    bytes and must be different namespaces). `given` is the tier's own `kv_cache_dtype` key:
+    used where vLLM's config cannot be found, and checked against it where it can. Raises
+    when the dtype cannot be told."""
     name = raw.replace("torch.", "").lower()
     if name in ("", "auto"):
-        try:
-            from vllm.config import get_current_vllm_config
-
-            mc = get_current_vllm_config().model_config
-            cache = get_current_vllm_config().cache_config.cache_dtype
-            name = str(cache if cache not in (None, "auto") else mc.dtype).replace("torch.", "").lower()
-        except Exception as exc:  # noqa: BLE001 - no config: refuse rather than guess
-            raise ValueError(f"TuttiTier: the KV cache dtype is {raw!r} and vLLM's config cannot resolve it "
-                             f"({exc}); set kv_cache_dtype explicitly") from None
+        cfg = compat.constructing_vllm_config()
+        name = compat.kv_dtype_name(cfg) if cfg is not None else ""
+    if given is not None:
+        g = str(given).replace("torch.", "").lower()
+        if name not in ("", "auto") and g != name:
+            raise ValueError(f"secondary_tiers[type=tutti].kv_cache_dtype={given!r}: vLLM's KV cache is {name!r}; "
+                             "remove the key or make it agree")
+        name = g
     if name in ("", "auto") or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-        raise ValueError(f"TuttiTier: cannot tell the KV cache dtype from {raw!r} (resolved {name!r}); set "
-                         "kv_cache_dtype explicitly")
+        raise ValueError(f"TuttiTier: cannot tell the KV cache dtype from {raw!r} (resolved {name!r}): vLLM's "
+                         "config is not reachable here; add \"kv_cache_dtype\": \"bfloat16\" (the model's "
+                         "dtype) to the tier's entry in secondary_tiers")
     return name
 
 
@@ -113,26 +116,27 @@ class TuttiTier(SecondaryTierManager):
         self._view = view.cast("B") if view.ndim != 1 or view.format != "B" else view
         secret = load_secret(file=config.get("secret_file") or None, env=config.get("secret_env") or None)
         self._mac = SegmentMac(secret) if secret is not None else None
-        fp = self._fingerprint(offloading_spec)
+        fp = self._fingerprint(offloading_spec, config.get("kv_cache_dtype"))
         rank = getattr(getattr(getattr(offloading_spec, "config", None), "parallel", None), "rank", 0) or 0
         self._store = ChunkStore([resolve_root(r, rank) for r in roots], fp, capacity_bytes=capacity, writer=True,
                                  slots_per_slab=config.get("slots_per_slab"))
         self._index = ChunkIndex(self._store.num_slots)
         self._index.rebuild({slot: e.key for slot, e in self._store.entries().items()})
+        self._threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tutti-tier")
         self._commit = threading.Lock()  # journal appends and syncs: one thread at a time
-        self._jobs: list[tuple[Any, Future, list[bytes], bool]] = []  # (job id, future, keys, is_load)
+        self._jobs: list[tuple[Any, list[Future], list[bytes], bool]] = []  # (job id, futures, keys, is_load)
         self.loads_failed = 0
         logger.info("tutti tier: %s, %d chunks of %d B resident (capacity %d chunks)", self._store.namespaces[0],
                     len(self._index), self._chunk_bytes, self._store.num_slots)
 
     # ---- identity --------------------------------------------------------------------------
-    def _fingerprint(self, spec) -> Fingerprint:
+    def _fingerprint(self, spec, given_dtype: str | None) -> Fingerprint:
         """What the bytes of one offloaded chunk depend on: the model, its dtype and parallel
         layout, the chunk's tokens and its size as vLLM lays it out."""
         cfg = getattr(spec, "config", None)
         model = getattr(getattr(cfg, "model", None), "name", None) or "unknown-model"
-        dtype = _resolved_dtype(str(getattr(getattr(cfg, "model", None), "dtype", "") or ""))
+        dtype = _resolved_dtype(str(getattr(getattr(cfg, "model", None), "dtype", "") or ""), given_dtype)
         par = getattr(cfg, "parallel", None)
         tokens = getattr(spec, "tokens_per_block", None) or (getattr(spec, "block_size", 0),)
         bpc = getattr(spec, "blocks_per_chunk", 1) or 1
@@ -169,8 +173,8 @@ class TuttiTier(SecondaryTierManager):
         keys = [self._key(k) for k in job_metadata.keys]
         res = self._index.plan_store(keys)
         work = [(k, res.slots[k], s) for k, s in zip(keys, compat.tier_job_slots(job_metadata)) if k in res.slots]
-        fut = self._pool.submit(self._store_chunks, work, res.evicted)
-        self._jobs.append((job_metadata.job_id, fut, [k for k, _, _ in work], False))
+        futs = [self._pool.submit(self._store_chunks, piece) for piece in self._pieces(work)]
+        self._jobs.append((job_metadata.job_id, futs, [k for k, _, _ in work], False))
 
     def submit_load(self, job_metadata) -> None:
         keys = [self._key(k) for k in job_metadata.keys]
@@ -180,17 +184,27 @@ class TuttiTier(SecondaryTierManager):
             if slot is not None:
                 self._index.pin([k])
             work.append((k, slot, s))
-        fut = self._pool.submit(self._load_chunks, work)
-        self._jobs.append((job_metadata.job_id, fut, [k for k, slot, _ in work if slot is not None], True))
+        futs = [self._pool.submit(self._load_chunks, piece) for piece in self._pieces(work)]
+        self._jobs.append((job_metadata.job_id, futs, [k for k, slot, _ in work if slot is not None], True))
+
+    def _pieces(self, work: list) -> list[list]:
+        """A job's chunks in contiguous pieces, one per pool thread: one thread reading a long
+        prompt's chunks one after another keeps the drive at queue depth 1 (40 s for 32k tokens
+        of the 8B geometry on the H200's disk, against 2.7 s for vLLM's fs tier)."""
+        n = max(1, min(self._threads, len(work)))
+        step = -(-len(work) // n) if work else 1
+        return [work[i:i + step] for i in range(0, len(work), step)] or [[]]
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out, still = [], []
-        for job_id, fut, keys, is_load in self._jobs:
-            if not fut.done():
-                still.append((job_id, fut, keys, is_load))
+        for job_id, futs, keys, is_load in self._jobs:
+            if not all(f.done() for f in futs):
+                still.append((job_id, futs, keys, is_load))
                 continue
+            ok: dict[bytes, bool] = {}
             try:
-                ok = fut.result()
+                for f in futs:
+                    ok.update(f.result())
             except Exception as exc:  # noqa: BLE001 - a failed job is a miss, never an exception upstream
                 logger.warning("tutti tier: %s job failed: %s", "load" if is_load else "store", exc)
                 ok = {k: False for k in keys}
@@ -211,18 +225,19 @@ class TuttiTier(SecondaryTierManager):
         return bool(self._jobs)
 
     def drain_jobs(self) -> None:
-        for _, fut, _, _ in list(self._jobs):
-            try:
-                fut.result()
-            except Exception:  # noqa: BLE001 - reported by get_finished_jobs
-                pass
+        for _, futs, _, _ in list(self._jobs):
+            for f in futs:
+                try:
+                    f.result()
+                except Exception:  # noqa: BLE001 - reported by get_finished_jobs
+                    pass
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
         self._store.close()
 
     # ---- IO (pool threads) ----------------------------------------------------------------
-    def _store_chunks(self, work: list[tuple[bytes, int, int]], evicted: list[bytes]) -> dict[bytes, bool]:
+    def _store_chunks(self, work: list[tuple[bytes, int, int]]) -> dict[bytes, bool]:
         """free records (synced) -> data -> fdatasync -> put records (synced): a crash never shows
         a torn chunk."""
         if not work:
