@@ -175,3 +175,33 @@ def test_an_unresolvable_dtype_needs_the_tiers_own_key(tmp_path):
     with pytest.raises(ValueError, match=r"kv_cache_dtype='bfloat16'.*'float16'"):
         TuttiTier(s, memoryview(primary()), "TuttiTier", root=str(tmp_path / "c"), capacity_bytes="1MiB",
                   kv_cache_dtype="bfloat16")
+
+
+def test_direct_io_where_the_cpu_tier_is_aligned(tmp_path):
+    """O_DIRECT (as vLLM's fs tier) when vLLM's CPU tier hands 4 KiB aligned chunks; buffered
+    otherwise; bytes equal either way, through a fresh tier that rebuilds from the journal."""
+    import os
+
+    chunk = 4 * 4096
+    raw = np.empty(SLOTS * chunk + 4096, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 4096
+    region = raw[off:off + SLOTS * chunk].reshape(SLOTS, chunk)
+    region[:] = np.random.default_rng(3).integers(0, 256, region.shape, dtype=np.uint8)
+    want = region.copy()
+    t = TuttiTier(spec(), memoryview(region), "TuttiTier", root=str(tmp_path / "d"), capacity_bytes="1MiB")
+    assert t.direct
+    assert run(t, job(1, KEYS, [0, 1, 2, 3], False))
+    fd = t._store.location(0)[0]
+    assert os.O_DIRECT & __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL)
+    t.shutdown()
+    region[:] = 0
+    t = TuttiTier(spec(), memoryview(region), "TuttiTier", root=str(tmp_path / "d"), capacity_bytes="1MiB")
+    assert run(t, job(2, KEYS, [4, 5, 6, 7], True))
+    assert np.array_equal(region[4:8], want[:4])
+    t.shutdown()
+    unaligned = TuttiTier(spec(), memoryview(primary()), "TuttiTier", root=str(tmp_path / "u"), capacity_bytes="1MiB")
+    assert not unaligned.direct  # CHUNK is not a 4 KiB multiple
+    unaligned.shutdown()
+    with pytest.raises(ValueError, match=r"direct='yes'"):
+        TuttiTier(spec(), memoryview(region), "TuttiTier", root=str(tmp_path / "x"), capacity_bytes="1MiB",
+                  direct="yes")
