@@ -27,10 +27,10 @@ from tutti.storetools import (  # noqa: F401 - the store commands live there (so
 )
 
 # ---- bench -------------------------------------------------------------------------------------
-BENCH_FILES = {"kernels": "test_kernels_bench.py", "io": "test_io_bench.py"}
+BENCH_FILES = {"kernels": "test_kernels_bench.py", "io": "test_io_bench.py", "tier": "test_tier_bench.py"}
 #: Small sizes for a CPU box; `--full` leaves the suites' own defaults.
 BENCH_SMALL_ENV = {"io": {"TUTTI_IO_BENCH_BYTES": str(64 << 20), "TUTTI_IO_BENCH_ROUNDS": "2"},
-                   "kernels": {}}
+                   "kernels": {}, "tier": {}}
 
 
 def repo_root() -> Path:
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("roots", nargs="+", metavar="ROOT")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    b = sub.add_parser("bench", help="run a pytest-benchmark suite (kernels or io), saved and compared",
+    b = sub.add_parser("bench", help="run a pytest-benchmark suite (kernels, io or tier), saved and compared",
                        description="Runs bench/test_<KIND>_bench.py with --benchmark-only, autosaves the run "
                                    "under .benchmarks/ and compares with the newest saved run of that suite. "
                                    "Arguments after '--' go to pytest.")
