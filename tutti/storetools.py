@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from tutti.io.integrity import CRC_TAG
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _U64 = (1 << 64) - 1  # the journal keeps checksums as unsigned 64-bit values
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -611,7 +613,7 @@ class _SegmentReader:
     """Reads one segment at a time into one reusable buffer (memory: one segment, whatever the
     slot or store size) and checksums it."""
 
-    def __init__(self, segment_bytes: int) -> None:
+    def __init__(self, segment_bytes: int, crc_bytes: int | None = None) -> None:
         import torch
 
         from tutti.kernels import segment_checksum
@@ -620,11 +622,16 @@ class _SegmentReader:
         self.view = memoryview(self._buf)
         self._tensor = torch.frombuffer(self._buf, dtype=torch.uint8).view(1, segment_bytes)
         self._checksum = segment_checksum
+        self.crc_bytes = crc_bytes  # a tier namespace: the CRC tag of the chunk's content bytes
 
     def read(self, fd: int, pos: int) -> int:
         return _pread_into(fd, self.view, pos)
 
     def checksum(self) -> int:
+        if self.crc_bytes is not None:
+            from tutti.io.integrity import crc_tag
+
+            return crc_tag(self.view[:self.crc_bytes])
         return int(self._checksum(self._tensor).reshape(-1)[0]) & _U64
 
 
@@ -648,7 +655,7 @@ def _check_slot(ns: StoreNamespace, fd: int, slot: int, entry: Any, seg: _Segmen
                 continue
             raise _os_problem(f"slab {path!r}", exc) from None
         res.bytes_read += n
-        if n < S:
+        if n < (S if seg.crc_bytes is None else seg.crc_bytes):  # a tier chunk is not padded on disk
             bad.append(Mismatch(ns.digest, slot, layer,
                                 f"short read: {path} ends before this segment (offset {pos})"))
             continue
@@ -668,7 +675,8 @@ def _missing_slab(ns: StoreNamespace, slot: int) -> list[Mismatch]:
 
 
 def _verify_namespace(ns: StoreNamespace, res: VerifyResult, bar: Any) -> None:
-    seg = _SegmentReader(ns.segment_bytes)
+    crc = dict(ns.fingerprint.extra).get("integrity") == CRC_TAG
+    seg = _SegmentReader(ns.segment_bytes, ns.fingerprint.content_bytes if crc else None)
     fds: dict[tuple[int, int], int | None] = {}  # the slab being read (one open at a time)
     failed: dict[tuple[int, int], list] = {}  # slab -> [message, chunks not checked]
 
@@ -762,7 +770,7 @@ def verify_store(roots: Sequence[str], *, progress: bool | None = None) -> Verif
                 res.mismatches.append(Mismatch(ns.digest, -1, None, f"namespace cannot be opened: {ns.error}"))
                 continue
             integrity = dict(ns.fingerprint.extra).get("integrity")
-            if integrity:
+            if integrity and integrity != CRC_TAG:
                 res.errors.append(f"namespace {ns.path!r}: its segments carry keyed tags ({integrity}), not "
                                   "checksums; verify cannot check them without the server's secret")
                 bar.update(len(ns.entries))

@@ -18,6 +18,19 @@ import stat
 
 MIN_SECRET_BYTES = 16
 
+#: The unkeyed tag of a whole offloaded chunk (TuttiTier, whose chunks live in host memory, not
+#: on the GPU where the segment checksum is computed): named in the namespace's fingerprint.
+CRC_TAG = "crc32+adler32"
+
+
+def crc_tag(data) -> int:
+    """CRC-32 and Adler-32 of `data` side by side (64 bits). Guards against accidents (torn
+    writes, flipped bits, a stale client cache), not forgery; zlib releases the GIL, so tier
+    threads check in parallel at several GB/s per core."""
+    import zlib
+
+    return zlib.crc32(data) | zlib.adler32(data) << 32
+
 
 class SecretError(ValueError):
     """A secret that is missing, too short, or readable by others."""
