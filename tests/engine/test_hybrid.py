@@ -131,3 +131,43 @@ def test_asynchronous_loads_report_each_request_received_or_failed(tmp_path):
         assert torch.equal(dst[layer][[6, 7]], src[layer][[2, 3]])
     assert torch.equal(dst[1][[12, 13]], src[1][[10, 11]])
     w.close()
+
+
+def test_state_groups_store_a_state_only_where_a_step_ends_on_a_chunk_boundary(tmp_path):
+    """Group 0: a Mamba state group ('align': column i holds the state after block i), group 1
+    full attention; chunks of 2 blocks. A chunk entry carries the attention blocks (the state
+    group's null), a state entry only the state column at the chunk's end."""
+    from tutti.engine.keys import state_key
+    from tutti.engine.plan import NULL_BLOCK as N
+
+    p = Planner(num_slots=32, chunk_tokens=32, block_size=16, seed=b"s" * 32, num_groups=2, state_groups=[0])
+    toks = list(range(100, 100 + 3 * 32 + 5))
+    assert p.match("r", toks, 0) == 0
+    p.on_alloc("r", ([N, 7, N, 8, N, 9, N], [1, 2, 3, 4, 5, 6, 10]), 0)
+    plan = p.build_step({"r": 32}, {"r": 0})  # ends on chunk 0's end: chunk 0 and its state
+    keys = p._reqs["r"].keys
+    assert [(st.key, st.block_ids) for st in plan.stores] == [(keys[0], (N, N, 1, 2)),
+                                                              (state_key(keys[0]), (N, 7, N, N))]
+    plan = p.build_step({"r": 40}, {"r": 32})  # ends at 72, inside chunk 2: chunk 1, no state
+    assert [(st.key, st.block_ids) for st in plan.stores] == [(keys[1], (N, N, 3, 4))]
+    plan = p.build_step({"r": 24}, {"r": 72})  # ends at 96 = chunk 2's end: chunk 2 and its state
+    assert [st.key for st in plan.stores] == [keys[2], state_key(keys[2])]
+    assert plan.stores[1].block_ids == (N, 9, N, N)
+    from tutti.engine.plan import WorkerReport
+
+    p.on_report(WorkerReport(stored=list(range(1, 6))))
+    assert p.stats.stores_committed == 5
+    # a hit ends on the last chunk whose state is stored: 3 chunks (state at 96)...
+    assert p.match("s", toks, 0) == 96
+    p.on_alloc("s", ([N, N, N, N, N, 31, N], [21, 22, 23, 24, 25, 26, 27]), 96, async_load=True)
+    plan = p.build_step({}, {})
+    assert [(ld.key, ld.block_ids) for ld in plan.async_loads] == [
+        (keys[0], (N, N, 21, 22)), (keys[1], (N, N, 23, 24)), (keys[2], (N, N, 25, 26)),
+        (state_key(keys[2]), (N, 31, N, N))]
+    # ...and without the state at 96 it falls back to the one at 32, never to chunk 1 (no state)
+    p2 = Planner(num_slots=8, chunk_tokens=32, block_size=16, seed=b"s" * 32, num_groups=2, state_groups=[0])
+    p2.rebuild({i: k for i, k in enumerate(keys[:3] + [state_key(keys[0])])})
+    assert p2.match("t", toks, 0) == 32
+    p3 = Planner(num_slots=8, chunk_tokens=32, block_size=16, seed=b"s" * 32, num_groups=2, state_groups=[0])
+    p3.rebuild({i: k for i, k in enumerate(keys[:3])})  # chunks without any state: no hit at all
+    assert p3.match("u", toks, 0) == 0

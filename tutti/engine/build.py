@@ -42,7 +42,7 @@ class Geometry:
     kv_replicated: bool = False
     model_id: str = ""  # identity of the weights and model config behind `model` (see compat.model_identity)
     integrity: str = ""  # "" (checksums) or the keyed tag's name: a store with a secret is its own namespace
-    # Hybrid models: each layer's KV cache group as "<group>:<kind>" ("full", "sw<window>"), in
+    # Hybrid models: each layer's KV cache group as "<group>:<kind>" ("full", "sw<window>", "state"), in
     # layer order, joined by ","; "" for one group. A chunk holds every layer's segment either
     # way; the groups say which block list each layer's blocks come from, and are part of the
     # namespace.
@@ -53,6 +53,13 @@ class Geometry:
         if not self.groups:
             return None
         return [int(item.split(":", 1)[0]) for item in self.groups.split(",")]
+
+    @property
+    def state_groups(self) -> list[int]:
+        """Groups of state-space layers (kind "state"): Mamba / linear-attention states."""
+        if not self.groups:
+            return []
+        return sorted({int(g) for g, kind in (item.split(":", 1) for item in self.groups.split(",")) if kind == "state"})
 
     @property
     def store_tp_rank(self) -> int:
@@ -199,7 +206,7 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
     planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
                       seed=geom.seed() if mac is None else mac.seed(geom.seed()), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
                       store_decode=cfg.store_decode, num_writers=geom.num_writers,
-                      num_groups=max(geom.group_of_layer or [0]) + 1)
+                      num_groups=max(geom.group_of_layer or [0]) + 1, state_groups=geom.state_groups)
     per_rank = []
     for tp, pp, rank in geom.store_ranks:
         rcfg = EngineConfig.from_dict(raw_config, rank=rank)

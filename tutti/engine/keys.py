@@ -94,3 +94,11 @@ def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, seed: bytes, start: 
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+def state_key(chunk_key: bytes) -> bytes:
+    """The key of the state-space (Mamba / linear-attention) state taken at the END of the chunk
+    `chunk_key`: a state is valid only at the token where it was taken, so it is its own entry,
+    present only where a step ended exactly on that chunk boundary. Derived from the chunk's
+    key, so it inherits everything the chunk's identity holds (tokens, salt, LoRA, images)."""
+    return hashlib.blake2b(chunk_key, digest_size=len(chunk_key), person=b"tutti-state").digest()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from tutti.engine.index import ChunkIndex
-from tutti.engine.keys import Identity, UnkeyableError, chunk_keys
+from tutti.engine.keys import Identity, UnkeyableError, chunk_keys, state_key
 from tutti.engine.plan import NULL_BLOCK, LoadChunk, StepPlan, StoreChunk, WorkerReport
 
 log = logging.getLogger("tutti.engine")
@@ -60,7 +60,9 @@ class _Request:
     identity: Identity | None = None  # what besides token ids the KV depends on (extra keys)
     unkeyed: bool = False  # identity unknown: never stored, never served
     hit_sources: list[tuple[str | None, int]] = field(default_factory=list)  # (writer or None, slot) per hit chunk
+    state_source: tuple[str | None, int] | None = None  # state groups: where the state at the hit's end is
     async_load: bool = False  # vLLM waits for the worker to report its loads received
+    stored_state_upto: int = 0  # state groups: chunks whose end state was planned (or loaded)
 
 
 @dataclass
@@ -68,12 +70,14 @@ class _Ticket:
     key: bytes
     req_id: str
     ok: int = 0  # workers that reported success
+    state: bool = False  # a state entry (no vLLM block hashes to announce)
 
 
 class Planner:
     def __init__(self, *, num_slots: int, chunk_tokens: int, block_size: int, seed: bytes,
                  num_workers: int = 1, slot_bytes: int = 0, store_decode: bool = False,
-                 num_writers: int | None = None, foreign=None, num_groups: int = 1) -> None:
+                 num_writers: int | None = None, foreign=None, num_groups: int = 1,
+                 state_groups: Sequence[int] = ()) -> None:
         if chunk_tokens % block_size:
             raise ValueError(
                 f"chunk_tokens={chunk_tokens}: must be a multiple of the KV cache's block_size={block_size}; "
@@ -95,6 +99,14 @@ class Planner:
         # vLLM's KV cache groups (hybrid models: full and sliding-window attention): each request
         # has one block list per group, and a chunk's blocks are every group's, group by group.
         self.num_groups = num_groups
+        # State-space groups (Mamba / linear attention, vLLM's "align" mode: the state after each
+        # block boundary lives in that block's column). Their state is valid only where it was
+        # taken, so a chunk entry carries the attention groups' KV and a separate state entry
+        # (tutti.engine.keys.state_key) the state groups' state at the chunk's end; a hit must end
+        # on a chunk whose state is stored.
+        self.state_groups = frozenset(state_groups)
+        if any(not 0 <= g < num_groups for g in self.state_groups):
+            raise ValueError(f"state_groups={sorted(self.state_groups)}: expected group indices below {num_groups}")
         self.stats = PlannerStats()
         self._reqs: dict[str, _Request] = {}
         self._tickets: dict[int, _Ticket] = {}
@@ -132,6 +144,14 @@ class Planner:
         r = self._request(req_id, tokens, identity)
         usable = (len(tokens) - 1) // self.chunk_tokens
         r.hit_sources = self._locate(r.keys[:usable])
+        if self.state_groups:  # the hit ends on the last chunk whose state is stored too
+            r.state_source = None
+            while r.hit_sources:
+                where = self._locate([state_key(r.keys[len(r.hit_sources) - 1])])
+                if where:
+                    r.state_source = where[0]
+                    break
+                r.hit_sources.pop()
         hits = len(r.hit_sources)
         r.local_computed = num_computed_tokens
         r.hit_chunks = hits
@@ -170,10 +190,26 @@ class Planner:
             raise ValueError(f"block ids for {len(groups)} KV cache groups; this planner has {self.num_groups}")
         return groups
 
-    def _chunk_blocks(self, r: _Request, c: int) -> tuple[int, ...]:
-        """Chunk c's blocks, group after group (each group's `blocks_per_chunk` of them)."""
+    def _chunk_blocks(self, r: _Request, c: int, state: bool = False) -> tuple[int, ...]:
+        """Chunk c's blocks, group after group (each group's `blocks_per_chunk` of them). With
+        state groups, a chunk entry has vLLM's null block for them and a state entry (`state`)
+        has it for every other group and, for a state group, only its last block: the column
+        that holds the state after the chunk's last token (null blocks are never written)."""
         bpc = self.blocks_per_chunk
-        return tuple(b for g in r.block_ids for b in g[c * bpc:(c + 1) * bpc])
+        out: list[int] = []
+        for gi, g in enumerate(r.block_ids):
+            if gi in self.state_groups:
+                out.extend([NULL_BLOCK] * (bpc - 1) + [g[(c + 1) * bpc - 1]] if state else [NULL_BLOCK] * bpc)
+            else:
+                out.extend([NULL_BLOCK] * bpc if state else g[c * bpc:(c + 1) * bpc])
+        return tuple(out)
+
+    def _kept_blocks(self, r: _Request, c: int, state: bool) -> list[int]:
+        """The blocks an entry must find held (not vLLM's null block) to be stored."""
+        bpc = self.blocks_per_chunk
+        if state:
+            return [g[(c + 1) * bpc - 1] for gi, g in enumerate(r.block_ids) if gi in self.state_groups]
+        return [b for gi, g in enumerate(r.block_ids) if gi not in self.state_groups for b in g[c * bpc:(c + 1) * bpc]]
 
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int, *,
                  async_load: bool = False) -> None:
@@ -199,11 +235,24 @@ class Planner:
                 raise RuntimeError(f"chunk {c} of request {req_id} vanished between lookup and allocation")
             skip = max(0, r.local_computed - c * self.chunk_tokens) // self.block_size
             r.loads.append(LoadChunk(req_id, key, slot, self._chunk_blocks(r, c), skip, source))
-            if source is None:
-                self.index.pin([key])
-            else:
-                self._foreign_loads[key] = (source, slot)
+            self._hold(key, source, slot)
+        if self.state_groups and last > first:  # the state at the hit's end
+            if r.state_source is None:
+                raise RuntimeError(f"request {req_id}: a hit of {last} chunks without the state at its end")
+            source, slot = r.state_source
+            skey = state_key(r.keys[last - 1])
+            if source is None and self.index.slot_of(skey) != slot:
+                raise RuntimeError(f"the state of chunk {last - 1} of request {req_id} vanished before allocation")
+            r.loads.append(LoadChunk(req_id, skey, slot, self._chunk_blocks(r, last - 1, state=True), 0, source))
+            self._hold(skey, source, slot)
+            r.stored_state_upto = max(r.stored_state_upto, last)
         r.next_store_chunk = max(r.next_store_chunk, last)
+
+    def _hold(self, key: bytes, source: str | None, slot: int) -> None:
+        if source is None:
+            self.index.pin([key])
+        else:
+            self._foreign_loads[key] = (source, slot)
 
     # -- per step -------------------------------------------------------------------------
     def update_request(self, req_id: str, *, new_block_ids: Sequence[int] = (), tokens: Sequence[int] | None = None,
@@ -261,10 +310,15 @@ class Planner:
             limit = min(done_tokens, len(r.tokens)) // self.chunk_tokens
             limit = min(limit, len(r.keys), min(len(g) for g in r.block_ids) // self.blocks_per_chunk)
             for c in range(r.next_store_chunk, limit):
-                want.append((r, c))
+                want.append((r, c, False))
+            if self.state_groups and limit and done_tokens == limit * self.chunk_tokens and not r.unkeyed \
+                    and limit > r.stored_state_upto:
+                # this step ends exactly on a chunk boundary: the state groups hold the state there
+                want.append((r, limit - 1, True))
+                r.stored_state_upto = limit
             r.next_store_chunk = max(r.next_store_chunk, limit)
         if want:
-            keys = [r.keys[c] for r, c in want]
+            keys = [state_key(r.keys[c]) if st else r.keys[c] for r, c, st in want]
             # never stored twice: not if we hold it, are storing it, or another writer holds it
             fresh = [k for k in keys if k not in self.index and not self.index.is_pending(k)
                      and not (self.foreign is not None and k in self.foreign)]
@@ -276,20 +330,19 @@ class Planner:
                 self.stats.evictions += len(res.evicted)
                 self._events.append(("removed", list(res.evicted)))
             self.stats.stores_declined += len(res.declined)
-            for r, c in want:
-                key = r.keys[c]
+            for (r, c, st), key in zip(want, keys):
                 slot = res.slots.pop(key, None)
                 if slot is None:
                     continue
-                blocks = self._chunk_blocks(r, c)
-                if self.num_groups > 1 and NULL_BLOCK in blocks:
-                    # a sliding-window group already dropped blocks of this chunk (vLLM's null block):
-                    # its KV is gone, so the chunk cannot be stored whole
+                blocks = self._chunk_blocks(r, c, st)
+                if self.num_groups > 1 and NULL_BLOCK in self._kept_blocks(r, c, st):
+                    # a sliding-window group already dropped blocks of this chunk (vLLM's null block),
+                    # or a state group holds no state there: it cannot be stored whole
                     self.index.abort(key)
                     self.stats.stores_declined += 1
                     continue
                 ticket = next(self._ticket_ids)
-                self._tickets[ticket] = _Ticket(key, r.req_id)
+                self._tickets[ticket] = _Ticket(key, r.req_id, state=st)
                 plan.stores.append(StoreChunk(r.req_id, key, slot, blocks, ticket))
                 r.had_stores = True
                 self.stats.stores_planned += 1
@@ -325,6 +378,7 @@ class Planner:
         r.block_ids = [[] for _ in range(self.num_groups)]
         r.hit_chunks = 0
         r.next_store_chunk = 0  # chunks stored meanwhile are skipped as resident or pending
+        r.stored_state_upto = 0
         self._preempted.append(req_id)
 
     def finished(self, req_id: str) -> bool:
@@ -358,7 +412,8 @@ class Planner:
                 del self._tickets[t]
                 if self.index.commit(tk.key):
                     s.stores_committed += 1
-                    self._events.append(("stored", [tk.key]))
+                    if not tk.state:
+                        self._events.append(("stored", [tk.key]))
         for key in set(report.load_failed):
             s.loads_failed += 1
             where = self._foreign_loads.pop(key, None)

@@ -258,28 +258,61 @@ HMA_MIXINS: tuple[type, ...] = (_kvbase.SupportsHMA,) if hasattr(_kvbase, "Suppo
 
 
 def kv_groups(kv_cache_config: Any) -> list[tuple[str, list[str]]]:
-    """(kind, layer names) of each KV cache group: kind "full" or "sw<window>". A group of any
-    other kind (Mamba or linear-attention state, chunked local attention, ...) stops the server
-    with a message naming it: its pages are not KV by token, so a chunk could not be cut from them."""
+    """(kind, layer names) of each KV cache group: kind "full", "sw<window>" or "state" (Mamba /
+    linear-attention state in vLLM's "align" mode, where the state after each block boundary
+    sits in that block's column). A group of any other kind (chunked local attention, a state
+    group without prefix caching, ...) stops the server with a message naming it."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     out = []
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
         name = type(spec).__name__
         window = getattr(spec, "sliding_window", None)
+        layers = f"{list(g.layer_names)[:4]}{'...' if len(g.layer_names) > 4 else ''}"
         if name in ("FullAttentionSpec", "MLAAttentionSpec"):
             kind = "full"
         elif name == "SlidingWindowSpec" and isinstance(window, int) and window > 0:
             kind = f"sw{window}"
+        elif "Mamba" in name:
+            mode = getattr(spec, "mamba_cache_mode", None)
+            if mode != "align":
+                raise ValueError(
+                    f"TuttiHybridConnectorV1: KV cache group {i} (layers {layers}) holds Mamba/linear-attention "
+                    f"state with mamba_cache_mode={mode!r}: vLLM keeps states at block boundaries only in 'align' "
+                    "mode, which tutti needs to store a state where a chunk ends; serve with prefix caching on "
+                    "(enable_prefix_caching=True, the default; mamba_cache_mode='align')")
+            kind = "state"
         else:
-            what = ("a Mamba/linear-attention state group" if "Mamba" in name else f"a {name} group")
             raise ValueError(
-                f"TuttiConnectorV1: KV cache group {i} of this model is {what} (layers "
-                f"{list(g.layer_names)[:4]}{'...' if len(g.layer_names) > 4 else ''}); tutti stores full and "
-                "sliding-window attention only. Serve this model without the connector (state-space and "
-                "other non-attention groups are not supported yet)")
+                f"TuttiConnectorV1: KV cache group {i} of this model is a {name} group (layers {layers}); tutti "
+                "stores full attention, sliding-window attention and Mamba/linear-attention states ('align' "
+                "mode). Serve this model without the connector")
         out.append((kind, list(g.layer_names)))
     return out
+
+
+def state_page_view(state: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+    """A state-space layer's cache seen as an attention layer's: same dtype, shape and strides
+    over the state layer's own memory. vLLM pads a state page to the attention page and keeps
+    each block's page contiguous (the groups share one allocation), so block b of the view is
+    exactly the state page of block b: the kernels then move a state like any block."""
+    es_s, es_a = state.element_size(), like.element_size()
+    page = state.stride(0) * es_s
+    inner = like[0]
+    span = sum((n - 1) * st for n, st in zip(inner.shape, inner.stride())) + 1
+    if (state.shape[0] != like.shape[0] or like.stride(0) * es_a != page or inner.numel() * es_a != page
+            or span != inner.numel() or any(st < 0 for st in like.stride())):
+        raise ValueError(
+            f"TuttiHybridConnectorV1: state layer {name!r} (shape {tuple(state.shape)}, block stride {page} B) and "
+            f"the attention layers (shape {tuple(like.shape)}, stride {tuple(like.stride())}, {es_a} B elements) do "
+            "not share one contiguous page per block; this attention backend's layout is not supported with "
+            "state-space layers")
+    off = state.storage_offset() * es_s
+    if off % es_a or state.untyped_storage().nbytes() < off + state.shape[0] * page:
+        raise ValueError(f"TuttiHybridConnectorV1: state layer {name!r}: its memory does not hold "
+                         f"{state.shape[0]} pages of {page} B at offset {off}")
+    return torch.empty(0, dtype=like.dtype, device=state.device).set_(
+        state.untyped_storage(), off // es_a, like.shape, like.stride())
 
 
 def layer_order(names: Sequence[str]) -> list[str]:

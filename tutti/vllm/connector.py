@@ -77,7 +77,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         self._extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         # Validate the config before anything touches the disk: errors name key, value, range.
         self._cfg = EngineConfig.from_dict(self._extra, rank=compat.worker_rank(vllm_config))
-        # hybrid models: full and sliding-window groups (anything else stops here, named)
+        # hybrid models: full, sliding-window and state groups (anything else stops here, named)
         groups = compat.kv_groups(kv_cache_config)
         if len(groups) > 1 and not isinstance(self, compat.HMA_MIXINS):
             raise ValueError(
@@ -87,6 +87,8 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         geom = compat.geometry(vllm_config, self._cfg.chunk_tokens)
         if groups:
             geom = replace(geom, groups=compat.groups_string(groups))
+        if any(kind == "state" for kind, _ in groups):  # a chunk's segments: every layer with a cache
+            geom = replace(geom, num_layers=sum(len(names) for _, names in groups))
         self._hybrid = bool(geom.groups)
         if self._hybrid and not compat.has_transfer_results():
             raise ValueError(
@@ -153,7 +155,13 @@ class TuttiConnectorV1(KVConnectorBase_V1):
                              f"{len(self._geom.groups.split(','))} attention layers in the KV cache groups")
         self._layer_index = {n: i for i, n in enumerate(names)}
         caches = [kv_caches[n] for n in names]
-        layout, views, kbpb = compat.discover_layout(self._vllm_config, caches, layer_name=names[0])
+        kinds = [item.split(":", 1)[1] for item in self._geom.groups.split(",")] if self._hybrid else []
+        if "state" in kinds:  # Mamba / linear-attention layers: their pages seen as an attention layer's
+            like = next(c for c, k in zip(caches, kinds) if k != "state")
+            caches = [compat.state_page_view(c, like, n) if k == "state" else c
+                      for c, k, n in zip(caches, kinds, names)]
+        first_attn = next((n for n, k in zip(names, kinds) if k != "state"), names[0])
+        layout, views, kbpb = compat.discover_layout(self._vllm_config, caches, layer_name=first_attn)
         geom = self._geom.for_rank(*compat.worker_ranks(self._vllm_config))
         try:
             self._worker = build_worker(self._extra, geom, caches=views, layout=layout,
