@@ -644,6 +644,9 @@ def _check_slot(ns: StoreNamespace, fd: int, slot: int, entry: Any, seg: _Segmen
     bad = []
     for layer in range(ns.num_layers):
         pos = off + layer * S
+        if layer < len(entry.checksums) and int(entry.checksums[layer]) & _U64 == 0 and ns.num_layers > 1 \
+                and dict(ns.fingerprint.extra).get("groups"):
+            continue  # a hybrid entry's segment its writer did not write (no blocks of that layer): never loaded
         if pos + S > _MAX_OFFSET:  # a journaled slot no file can reach
             bad.append(Mismatch(ns.digest, slot, layer, f"offset {pos} is past the largest file offset"))
             continue

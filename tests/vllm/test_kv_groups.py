@@ -1,5 +1,6 @@
-"""Which KV cache groups tutti takes (vLLM's own spec classes): full and sliding-window attention;
-a Mamba state group, or any other kind, stops the server at start with a message naming it."""
+"""Which KV cache groups tutti takes (vLLM's own spec classes): full and sliding-window attention
+and Mamba state groups in vLLM's 'align' mode; a state group in another mode, or any other kind,
+stops the server at start with a message naming it."""
 
 from __future__ import annotations
 
@@ -34,9 +35,42 @@ def test_full_and_sliding_groups_in_model_layer_order():
     assert compat.groups_string(compat.kv_groups(config(full(["model.layers.0.attn"])))) == ""  # unchanged namespaces
 
 
-def test_a_state_space_group_is_refused_naming_it():
-    mamba = KVCacheGroupSpec(["model.layers.1.mixer"], MambaSpec(block_size=16, shapes=((4, 8),),
-                                                                 dtypes=(torch.float32,)))
-    with pytest.raises(ValueError, match=r"KV cache group 1 of this model is a Mamba/linear-attention state group "
-                                         r"\(layers \['model.layers.1.mixer'\]\)"):
-        compat.kv_groups(config(full(["model.layers.0.attn"]), mamba))
+def mamba(mode):
+    return KVCacheGroupSpec(["model.layers.1.mixer"], MambaSpec(block_size=16, shapes=((4, 8),),
+                                                                dtypes=(torch.float32,), mamba_cache_mode=mode))
+
+
+def test_a_state_group_in_align_mode_is_a_state_group():
+    groups = compat.kv_groups(config(full(["model.layers.0.attn"]), mamba("align")))
+    assert groups == [("full", ["model.layers.0.attn"]), ("state", ["model.layers.1.mixer"])]
+    assert compat.groups_string(groups) == "0:full,1:state"
+
+
+def test_a_state_group_without_align_mode_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"KV cache group 1 \(layers \['model.layers.1.mixer'\]\) holds "
+                                         r"Mamba/linear-attention state with mamba_cache_mode='none'.*"
+                                         r"enable_prefix_caching=True"):
+        compat.kv_groups(config(full(["model.layers.0.attn"]), mamba("none")))
+
+
+def test_another_group_kind_is_refused_naming_it():
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    local = KVCacheGroupSpec(["model.layers.1.attn"], ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, attention_chunk_size=64))
+    with pytest.raises(ValueError, match=r"KV cache group 1 of this model is a ChunkedLocalAttentionSpec group"):
+        compat.kv_groups(config(full(["model.layers.0.attn"]), local))
+
+
+def test_a_state_page_is_seen_as_an_attention_page():
+    """vLLM pads a state page to the attention page; the view makes block b the state's page b."""
+    attn = torch.zeros(6, 4, 16, 32, dtype=torch.bfloat16)  # 4 KiB pages, block-first
+    raw = torch.zeros(6 * 4096, dtype=torch.int8)
+    state = raw.as_strided((6, 1, 1, 1000), (4096, 1000, 1000, 1))  # a state of 1000 B in each page
+    v = compat.state_page_view(state, attn, "model.layers.1.mixer")
+    assert v.shape == attn.shape and v.stride() == attn.stride() and v.dtype == attn.dtype
+    state[3, 0, 0, :] = 7
+    assert (v[3].view(torch.int8).reshape(-1)[:1000] == 7).all() and not v[2].view(torch.int8).any()
+    flat = torch.zeros(2, 6, 16, 4, 32, dtype=torch.bfloat16)  # K and V halves apart: a page is not one block
+    with pytest.raises(ValueError, match="do not share one contiguous page per block"):
+        compat.state_page_view(state, flat, "model.layers.1.mixer")

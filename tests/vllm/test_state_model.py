@@ -105,15 +105,29 @@ def run(phase: str, model: Path, root: Path) -> dict:
     return json.loads(lines[-1][7:])
 
 
-def test_a_mamba_hybrid_stores_states_and_hits(model, tmp_path):
-    root = tmp_path / "kv"
+@pytest.fixture(scope="module")
+def stored(model, tmp_path_factory):
+    """Recompute (no connector) and a store by a first process: (recompute's result, the store's, root)."""
+    root = tmp_path_factory.mktemp("state-kv") / "kv"
     want = run("none", model, root)
     assert "error" not in want, want.get("error")
-    assert sorted(want["groups"]) == ["FullAttentionSpec:", "MambaSpec:align", "MambaSpec:align"]
     s = run("store", model, root)
     assert "error" not in s, s.get("error")
+    return want, s, root
+
+
+def test_a_mamba_hybrid_stores_states_and_hits(model, stored):
+    want, s, root = stored
+    assert sorted(want["groups"]) == ["FullAttentionSpec:", "MambaSpec:align", "MambaSpec:align"]
     # 5 chunks per prompt and, every step ending on a block boundary, the state at each chunk's end
     assert s["tokens"] == want["tokens"] and s["stats"]["stores_committed"] == 3 * (5 + 5)
+    # written: a chunk entry's attention layer, a state entry's two Mamba layers (not the rest of a slot)
+    seg = json.loads(next(root.rglob("manifest.json")).read_text())["segment_bytes"]
+    assert s["stats"]["bytes_stored"] == 3 * 5 * (1 + 2) * seg
+    from tutti.storetools import verify_store
+
+    v = verify_store([str(root)], progress=False)
+    assert (v.slots, v.mismatches, v.errors) == (30, [], [])
     h = run("hit", model, root)
     assert "error" not in h, h.get("error")
     assert h["cached"] == [5 * CHUNK] * 3 and h["stats"]["loads_failed"] == 0
@@ -123,10 +137,12 @@ def test_a_mamba_hybrid_stores_states_and_hits(model, tmp_path):
     assert ctl["tokens"] != want["tokens"], "the tokens do not depend on the Mamba state: this test proves nothing"
 
 
-def test_a_damaged_state_is_recomputed(model, tmp_path):
+def test_a_damaged_state_is_recomputed(model, stored, tmp_path):
+    import shutil
+
+    want, _, src = stored
     root = tmp_path / "kv"
-    want = run("none", model, root)
-    assert "error" not in run("store", model, root)
+    shutil.copytree(src, root)
     # layer 0 (Mamba) of every slot: a chunk entry never reads it (its state groups hold the null
     # block), a state entry does, so exactly the state loads fail
     slabs = sorted(root.rglob("slab-*.bin"))

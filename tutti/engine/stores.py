@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from tutti.engine.context import U64, Counters, JournalView, WorkerContext, log, nvtx_range
-from tutti.engine.plan import StoreChunk
+from tutti.engine.plan import NULL_BLOCK, StoreChunk
 from tutti.engine.staging import RegionArena
 from tutti.engine.writer import Writer
 from tutti.io.queue import WRITE, IORequest, submit_all
@@ -197,9 +197,11 @@ class StorePipeline:
                     errors[i] = exc
                     continue
                 pinned.append(st.slot)
-                for o in range(0, cb, max_io):  # one request a chunk, split only past the queue's limit
-                    reqs.append(IORequest(fd, off + o, self.arena.buffer, self.arena.buffer_offset(run.first + i) + o,
-                                          min(max_io, cb - o), WRITE, tag=i))
+                base = self.arena.buffer_offset(run.first + i)
+                for lo, hi in self._written_ranges(st):  # one request a chunk, split only past the queue's limit
+                    for o in range(lo, hi, max_io):
+                        reqs.append(IORequest(fd, off + o, self.arena.buffer, base + o, min(max_io, hi - o), WRITE,
+                                              tag=i))
             with nvtx_range("write"):
                 futures = submit_all(ctx.queue, reqs)
                 deadline = time.monotonic() + ctx.cfg.io_timeout_s
@@ -224,7 +226,11 @@ class StorePipeline:
                 log.warning("tutti: store of chunk %s failed: %s", st.key.hex()[:16], errors[i])
                 self._fail([st], f"write failed: {errors[i]}", skipped=False)
             else:
-                done.append((st, [int(s) & U64 for s in sums[i * L:(i + 1) * L]]))
+                kept = self._written_layers(st)
+                # a segment not written (a layer this entry holds nothing for) is journaled as 0:
+                # it is never loaded (its blocks are vLLM's null block) and `tutti verify` skips it
+                done.append((st, [int(s) & U64 if layer in kept else 0
+                                  for layer, s in enumerate(sums[i * L:(i + 1) * L])]))
         if not done:
             return stalled
         try:
@@ -241,10 +247,30 @@ class StorePipeline:
             self.journal.put(st.slot, st.key, cks)
         with self.counters.lock:
             self.counters.report.stored.extend(st.ticket for st, _ in done)
-            self.counters.add_locked(bytes_stored=len(done) * ctx.chunk_bytes,
+            self.counters.add_locked(bytes_stored=sum(len(self._written_layers(st)) for st, _ in done) * ctx.seg,
                                      store_seconds=time.perf_counter() - run.t0)
         self._done([st for st, _ in done])
         return stalled
+
+    def _written_layers(self, st: StoreChunk) -> set[int]:
+        """Layers whose segment this entry carries: all of them, except (hybrid models with state
+        groups) layers whose blocks in this entry are all vLLM's null block: a chunk entry's state
+        layers, a state entry's attention layers."""
+        ctx = self.ctx
+        if ctx.num_groups == 1:
+            return set(range(ctx.num_layers))
+        return {layer for layer in range(ctx.num_layers)
+                if any(b != NULL_BLOCK for b in ctx.blocks_for(st.block_ids, layer))}
+
+    def _written_ranges(self, st: StoreChunk) -> list[tuple[int, int]]:
+        """Byte ranges of the chunk's slot to write: runs of consecutive written layers."""
+        seg, out = self.ctx.seg, []
+        for layer in sorted(self._written_layers(st)):
+            if out and out[-1][1] == layer * seg:
+                out[-1] = (out[-1][0], (layer + 1) * seg)
+            else:
+                out.append((layer * seg, (layer + 1) * seg))
+        return out
 
     # ---------------------------------------------------------------- bookkeeping
     def _skip(self, stores: Sequence[StoreChunk], why: str, *, skipped: bool = True) -> None:
