@@ -121,6 +121,13 @@ class StorePipeline:
             self.stream.wait_event(compute_done)
             dev = self.arena.device_view(first, n)
             self._gather_into(group, dev)
+            if ctx.num_groups > 1:
+                # Hybrid models: vLLM frees a sliding-window or Mamba block while its request runs on
+                # (a later step's schedule) and may hand it to another request at once, so the next
+                # forward must not overwrite it before this gather has read it.
+                gathered = torch.cuda.Event()
+                gathered.record(self.stream)
+                torch.cuda.current_stream(ctx.device).wait_event(gathered)
             sums = ctx.checksum(dev.view(n * L, ctx.seg))
             host.copy_(dev, non_blocking=True)
             sums_host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
