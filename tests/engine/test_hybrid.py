@@ -171,3 +171,37 @@ def test_state_groups_store_a_state_only_where_a_step_ends_on_a_chunk_boundary(t
     p3 = Planner(num_slots=8, chunk_tokens=32, block_size=16, seed=b"s" * 32, num_groups=2, state_groups=[0])
     p3.rebuild({i: k for i, k in enumerate(keys[:3])})  # chunks without any state: no hit at all
     assert p3.match("u", toks, 0) == 0
+
+
+def test_state_entries_move_only_their_layers(tmp_path):
+    """Groups: layers 0 and 2 a Mamba state group, layer 1 full attention. A chunk entry writes
+    only layer 1's segment, a state entry only layers 0 and 2 (the state in the last block
+    position); unwritten segments are journaled 0; a state load writes only the state block."""
+    geom = replace(geometry(), groups="0:state,1:full,0:state")
+    src = make_caches(0)
+    v = views(src)
+    layout = PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim"))
+    w = build_worker(config(tmp_path), geom, caches=v, layout=layout)
+    # chunk entry: state group null, attention blocks 10, 11; state entry: state in block 3
+    run_step(w, StepPlan(1, stores=[StoreChunk("r", b"c" * 32, 1, (0, 0, 10, 11), ticket=1),
+                                    StoreChunk("r", b"s" * 32, 2, (0, 3, 0, 0), ticket=2)]))
+    w.flush()
+    rep = w.take_report()
+    assert sorted(rep.stored) == [1, 2] and rep.bytes_stored == 3 * w.ctx.seg  # 1 + 2 segments, not 6
+    sums = {s: e.checksums for s, e in w.store.entries().items()}
+    assert sums[1][0] == sums[1][2] == 0 and sums[1][1] != 0
+    assert sums[2][1] == 0 and sums[2][0] != 0 and sums[2][2] != 0
+    w.close()
+    dst = make_caches(1)
+    before = [c.clone() for c in dst]
+    w = build_worker(config(tmp_path), geom, caches=views(dst), layout=layout)
+    run_step(w, StepPlan(2, loads=[LoadChunk("q", b"c" * 32, 1, (0, 0, 20, 21)),
+                                   LoadChunk("q", b"s" * 32, 2, (0, 7, 0, 0))]))
+    assert w.take_failed_blocks() == set()
+    assert torch.equal(dst[1][[20, 21]], src[1][[10, 11]])
+    for layer in (0, 2):
+        assert torch.equal(dst[layer][7], src[layer][3])  # the state, into the column vLLM reads
+        others = [b for b in range(B) if b != 7]
+        assert torch.equal(dst[layer][others], before[layer][others])  # nothing else written
+    assert torch.equal(dst[1][[0, 7]], before[1][[0, 7]])
+    w.close()
