@@ -71,6 +71,12 @@ def test_a_state_page_is_seen_as_an_attention_page():
     assert v.shape == attn.shape and v.stride() == attn.stride() and v.dtype == attn.dtype
     state[3, 0, 0, :] = 7
     assert (v[3].view(torch.int8).reshape(-1)[:1000] == 7).all() and not v[2].view(torch.int8).any()
+    # FlashAttention's (2, blocks, tokens, heads, dim) as vLLM re-strides it for hybrid models: K and V
+    # of a block in its page
+    fa = torch.zeros(6, 2, 16, 2, 32, dtype=torch.bfloat16).permute(1, 0, 2, 3, 4)
+    v = compat.state_page_view(state, fa, "model.layers.1.mixer")
+    assert v.shape == fa.shape and v.stride() == fa.stride()
+    assert (v[:, 3].contiguous().view(torch.int8).reshape(-1)[:1000] == 7).all()
     flat = torch.zeros(2, 6, 16, 4, 32, dtype=torch.bfloat16)  # K and V halves apart: a page is not one block
     with pytest.raises(ValueError, match="do not share one contiguous page per block"):
         compat.state_page_view(state, flat, "model.layers.1.mixer")

@@ -298,10 +298,14 @@ def state_page_view(state: torch.Tensor, like: torch.Tensor, name: str) -> torch
     exactly the state page of block b: the kernels then move a state like any block."""
     es_s, es_a = state.element_size(), like.element_size()
     page = state.stride(0) * es_s
-    inner = like[0]
-    span = sum((n - 1) * st for n, st in zip(inner.shape, inner.stride())) + 1
-    if (state.shape[0] != like.shape[0] or like.stride(0) * es_a != page or inner.numel() * es_a != page
-            or span != inner.numel() or any(st < 0 for st in like.stride())):
+    # the block dimension of the attention tensor (vLLM re-strides FlashAttention's (2, blocks, ...)
+    # for hybrid models so that a block's K and V share its page): its stride is one page, and the
+    # other dimensions cover that page densely
+    dims = [d for d in range(like.dim()) if like.shape[d] == state.shape[0] and like.stride(d) * es_a == page]
+    rest = [d for d in range(like.dim()) if not dims or d != dims[0]]
+    numel = math.prod(like.shape[d] for d in rest)
+    span = sum((like.shape[d] - 1) * like.stride(d) for d in rest) + 1
+    if not dims or numel * es_a != page or span != numel or any(st < 0 for st in like.stride()):
         raise ValueError(
             f"TuttiHybridConnectorV1: state layer {name!r} (shape {tuple(state.shape)}, block stride {page} B) and "
             f"the attention layers (shape {tuple(like.shape)}, stride {tuple(like.stride())}, {es_a} B elements) do "
