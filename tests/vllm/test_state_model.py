@@ -16,49 +16,17 @@ CPU scan returns no mid-prefill states): every step then ends on a block boundar
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+import phases
+
 CHUNK = 64  # two vLLM blocks of 32
 PROMPT = 5 * CHUNK + 7
-
-PHASE = r"""
-import json, os, sys
-sys.path.insert(0, {here!r})
-import harness
-phase, model, root = sys.argv[1], sys.argv[2], sys.argv[3]
-ps = [[10 + (7 * i + 13 * s) % 1000 for i in range({prompt})] for s in range(3)]
-kvt = None
-if phase != "none":
-    kvt = harness.kv_config(root, chunk={chunk}, capacity="64MiB")
-    kvt["kv_connector"] = "TuttiHybridConnectorV1"
-if phase == "nostate":  # the negative control: hits without their state loads
-    from tutti.engine import planner as P
-    orig = P.Planner._chunk_blocks
-    P.Planner._chunk_blocks = lambda self, r, c, state=False: (
-        tuple(0 for _ in orig(self, r, c, state)) if state else orig(self, r, c, state))
-kw = dict(load_format="auto", skip_tokenizer_init=True, max_model_len=1024, max_num_batched_tokens=32,
-          max_num_seqs=8)
-if phase == "noalign":
-    kw.update(enable_prefix_caching=False, mamba_cache_mode="none", max_num_batched_tokens=1024)
-llm = harness.make_llm(model, kv_transfer_config=kvt, **kw)
-groups = [type(g.kv_cache_spec).__name__ + ":" + str(getattr(g.kv_cache_spec, "mamba_cache_mode", ""))
-          for g in harness.scheduler(llm).kv_cache_config.kv_cache_groups]
-outs = harness.generate_ids(llm, ps, 6)
-stats = {{}}
-if kvt is not None:
-    harness.settle(llm)
-    stats = dict(vars(harness.connector(llm).planner.stats))
-print("RESULT " + json.dumps({{"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                              "cached": [o.num_cached_tokens for o in outs], "stats": stats, "groups": groups}}),
-      flush=True)
-harness.shutdown_llm(llm)
-"""
+PROMPTS = [[10 + (7 * i + 13 * s) % 1000 for i in range(PROMPT)] for s in range(3)]
+ENGINE = dict(load_format="auto", skip_tokenizer_init=True, max_model_len=1024, max_num_batched_tokens=32,
+              max_num_seqs=8)
 
 
 def nemotron_h(dir: Path) -> Path:
@@ -66,7 +34,6 @@ def nemotron_h(dir: Path) -> Path:
     (so the Mamba state fits one 32-token attention page), fp32; in/out projections of the mixers
     scaled x25 so the tokens depend on what the mixers carry (the Mamba state among it)."""
     import torch
-    from safetensors.torch import load_file, save_file
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     cfg = NemotronHConfig(
@@ -79,12 +46,7 @@ def nemotron_h(dir: Path) -> Path:
     cfg.architectures = ["NemotronHForCausalLM"]
     torch.manual_seed(0)
     NemotronHForCausalLM(cfg).save_pretrained(dir)
-    path = dir / "model.safetensors"
-    w = load_file(path)
-    for k in w:
-        if ".mixer." in k and k.endswith(("in_proj.weight", "out_proj.weight", "o_proj.weight")):
-            w[k] = w[k] * 25
-    save_file(w, path, metadata={"format": "pt"})
+    phases.scale_mixers(dir / "model.safetensors", 25, ("in_proj.weight", "out_proj.weight", "o_proj.weight"))
     return dir
 
 
@@ -96,13 +58,11 @@ def model(tmp_path_factory) -> Path:
 
 
 def run(phase: str, model: Path, root: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", PHASE.format(here=str(HERE), prompt=PROMPT, chunk=CHUNK), phase, str(model), str(root)],
-                       capture_output=True, text=True, timeout=600, env=env)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode != 0 or not lines:
-        return {"error": (p.stderr or p.stdout)[-4000:]}
-    return json.loads(lines[-1][7:])
+    engine = dict(ENGINE)
+    if phase == "noalign":
+        engine.update(enable_prefix_caching=False, mamba_cache_mode="none", max_num_batched_tokens=1024)
+    return phases.run(model, root, PROMPTS, connector=None if phase == "none" else "TuttiHybridConnectorV1",
+                      chunk=CHUNK, engine=engine, drop="state" if phase == "nostate" else None)
 
 
 @pytest.fixture(scope="module")
