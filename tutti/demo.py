@@ -64,11 +64,16 @@ def make_tiny_model(
     vocab: int = 512,
     intermediate: int = 256,
     max_position: int = 4096,
+    weights: bool = True,
 ) -> Path:
-    """Write a Llama ``config.json`` plus a generated word-level tokenizer.
+    """Write a Llama ``config.json``, a generated word-level tokenizer and (``weights``) seeded
+    random weights.
 
-    Token ``i`` is the word ``w{i}``; ids 0..3 are <unk>, <s>, </s>, <pad>.
-    Load it with ``load_format="dummy"`` (no weight files are written).
+    Token ``i`` is the word ``w{i}``; ids 0..3 are <unk>, <s>, </s>, <pad>. The weights make the
+    tokens depend on the KV cache: vLLM's ``load_format="dummy"`` weights (uniform within 1e-3)
+    leave attention so weak that a hit whose loads wrote nothing still gives recompute's tokens,
+    which would make "tokens equal" prove nothing. Without ``weights``, load it with
+    ``load_format="dummy"``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -111,7 +116,38 @@ def make_tiny_model(
     }, indent=1))
     (d / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}))
+    if weights:
+        _write_weights(d / "model.safetensors", num_layers=num_layers, hidden=hidden, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, vocab=vocab, intermediate=intermediate)
     return d
+
+
+def _write_weights(path: Path, *, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   vocab: int, intermediate: int) -> None:
+    """Seeded random Llama weights (std 0.02, as transformers initializes), with attention's value
+    and output projections scaled up so that what attention reads (the KV cache) decides tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1234)
+
+    def w(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).contiguous()
+
+    t = {"model.embed_tokens.weight": w(vocab, hidden, std=1.0), "model.norm.weight": torch.ones(hidden),
+         "lm_head.weight": w(vocab, hidden)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        t.update({
+            p + "self_attn.q_proj.weight": w(num_heads * head_dim, hidden, std=0.2),
+            p + "self_attn.k_proj.weight": w(num_kv_heads * head_dim, hidden, std=0.2),
+            p + "self_attn.v_proj.weight": w(num_kv_heads * head_dim, hidden, std=0.5),
+            p + "self_attn.o_proj.weight": w(hidden, num_heads * head_dim, std=0.5),
+            p + "mlp.gate_proj.weight": w(intermediate, hidden), p + "mlp.up_proj.weight": w(intermediate, hidden),
+            p + "mlp.down_proj.weight": w(hidden, intermediate),
+            p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
+        })
+    save_file(t, str(path), metadata={"format": "pt"})
 
 
 def kv_transfer_config(root: str | os.PathLike, *, chunk_tokens: int = DEMO_CHUNK_TOKENS,
@@ -137,7 +173,9 @@ def make_llm(model_dir: str | os.PathLike, *, kv_transfer_config: dict[str, Any]
     ensure_kv_transfer_shutdown()
     cuda = torch.cuda.is_available()
     args: dict[str, Any] = dict(
-        model=str(model_dir), load_format="dummy", dtype="bfloat16" if cuda else "float32",
+        # the generated model's own weights where it has them (make_tiny_model), else vLLM's dummy ones
+        model=str(model_dir), load_format="auto" if (Path(model_dir) / "model.safetensors").exists() else "dummy",
+        dtype="bfloat16" if cuda else "float32",
         block_size=16 if cuda else BLOCK_SIZE, enforce_eager=True, seed=0, max_model_len=1024,
         max_num_seqs=8, max_num_batched_tokens=1024, enable_prefix_caching=True, disable_log_stats=True,
     )

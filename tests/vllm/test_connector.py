@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import harness
+import phases
 
 CHUNK = 64  # tokens a chunk: 2 vLLM blocks of 32
 
@@ -72,6 +73,13 @@ def test_store_then_load_in_a_fresh_process(tiny_model, tmp_path, reference):
     assert second[0]["cached"] == 4 * CHUNK  # 4 whole chunks; the 44-token tail is computed
     assert s2["hit_tokens"] == 4 * CHUNK and s2["loads_failed"] == 0
     assert first[0]["tokens"] == second[0]["tokens"] == reference([p])[0]
+    # the negative control: the same hit with its loads writing nothing gives other tokens, so the
+    # equality above is evidence that the loaded KV is recompute's (the tiny model's weights make
+    # attention matter; see harness.make_tiny_model)
+    ctl = phases.run(tiny_model, tmp_path / "kv", [p], connector="TuttiConnectorV1", chunk=CHUNK, engine={},
+                     drop="kv", tokens=8)
+    assert ctl.get("cached") == [4 * CHUNK], ctl.get("error")
+    assert ctl["tokens"][0] != reference([p])[0], "the tokens do not depend on the loaded KV"
 
 
 def test_concurrent_shared_prefix_and_partly_stored_prefix(tiny_model, tmp_path, reference):
