@@ -613,7 +613,7 @@ class _SegmentReader:
     """Reads one segment at a time into one reusable buffer (memory: one segment, whatever the
     slot or store size) and checksums it."""
 
-    def __init__(self, segment_bytes: int, crc_bytes: int | None = None) -> None:
+    def __init__(self, segment_bytes: int, crc_bytes: int | None = None, hybrid: bool = False) -> None:
         import torch
 
         from tutti.kernels import segment_checksum
@@ -623,6 +623,7 @@ class _SegmentReader:
         self._tensor = torch.frombuffer(self._buf, dtype=torch.uint8).view(1, segment_bytes)
         self._checksum = segment_checksum
         self.crc_bytes = crc_bytes  # a tier namespace: the CRC tag of the chunk's content bytes
+        self.hybrid = hybrid  # several KV cache groups: a segment journaled 0 was not written
 
     def read(self, fd: int, pos: int) -> int:
         return _pread_into(fd, self.view, pos)
@@ -644,8 +645,7 @@ def _check_slot(ns: StoreNamespace, fd: int, slot: int, entry: Any, seg: _Segmen
     bad = []
     for layer in range(ns.num_layers):
         pos = off + layer * S
-        if layer < len(entry.checksums) and int(entry.checksums[layer]) & _U64 == 0 and ns.num_layers > 1 \
-                and dict(ns.fingerprint.extra).get("groups"):
+        if seg.hybrid and layer < len(entry.checksums) and int(entry.checksums[layer]) & _U64 == 0:
             continue  # a hybrid entry's segment its writer did not write (no blocks of that layer): never loaded
         if pos + S > _MAX_OFFSET:  # a journaled slot no file can reach
             bad.append(Mismatch(ns.digest, slot, layer, f"offset {pos} is past the largest file offset"))
@@ -678,8 +678,9 @@ def _missing_slab(ns: StoreNamespace, slot: int) -> list[Mismatch]:
 
 
 def _verify_namespace(ns: StoreNamespace, res: VerifyResult, bar: Any) -> None:
-    crc = dict(ns.fingerprint.extra).get("integrity") == CRC_TAG
-    seg = _SegmentReader(ns.segment_bytes, ns.fingerprint.content_bytes if crc else None)
+    extra = dict(ns.fingerprint.extra)
+    seg = _SegmentReader(ns.segment_bytes, ns.fingerprint.content_bytes if extra.get("integrity") == CRC_TAG else None,
+                         hybrid=bool(extra.get("groups")))
     fds: dict[tuple[int, int], int | None] = {}  # the slab being read (one open at a time)
     failed: dict[tuple[int, int], list] = {}  # slab -> [message, chunks not checked]
 

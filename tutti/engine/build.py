@@ -48,18 +48,24 @@ class Geometry:
     # namespace.
     groups: str = ""
 
+    def _layer_groups(self) -> list[tuple[int, str]]:
+        """(group, kind) of each layer, in layer order; [] for one group."""
+        return [(int(g), kind) for g, kind in (item.split(":", 1) for item in self.groups.split(","))] \
+            if self.groups else []
+
     @property
     def group_of_layer(self) -> list[int] | None:
-        if not self.groups:
-            return None
-        return [int(item.split(":", 1)[0]) for item in self.groups.split(",")]
+        return [g for g, _ in self._layer_groups()] or None
+
+    @property
+    def kind_of_layer(self) -> list[str]:
+        """Each layer's group kind ("full", "sw<window>", "state"); [] for one group."""
+        return [kind for _, kind in self._layer_groups()]
 
     @property
     def state_groups(self) -> list[int]:
         """Groups of state-space layers (kind "state"): Mamba / linear-attention states."""
-        if not self.groups:
-            return []
-        return sorted({int(g) for g, kind in (item.split(":", 1) for item in self.groups.split(",")) if kind == "state"})
+        return sorted({g for g, kind in self._layer_groups() if kind == "state"})
 
     @property
     def store_tp_rank(self) -> int:

@@ -120,6 +120,14 @@ class WorkerContext:
             lead += 1
         return max(skip_blocks, lead)
 
+    def moves_layer(self, block_ids: Sequence[int], layer: int, skip_blocks: int = 0) -> bool:
+        """Whether a chunk's load or store touches any block of `layer`: not when every block it
+        would write there is vLLM's null block or already computed (a sliding-window layer outside
+        its window; a state layer in a chunk entry, an attention layer in a state entry)."""
+        if self.group_of_layer is None:
+            return True
+        return self.skip_for(block_ids, skip_blocks, layer) < len(self.blocks_for(block_ids, layer))
+
     def written_blocks(self, block_ids: Sequence[int], skip_blocks: int) -> set[int]:
         """Every block a load of this chunk writes (all groups): what fails when it fails."""
         if self.group_of_layer is None:

@@ -115,8 +115,7 @@ class LoadPipeline:
             # a sliding-window layer reads only the chunks with blocks inside the window at the hit's
             # end: the rest of its segments are neither read nor scattered (hybrid models)
             todo = [i for i in range(first, len(self._loads))
-                    if ctx.group_of_layer is None or ctx.skip_for(self._loads[i].block_ids, self._loads[i].skip_blocks,
-                                                                  layer) < len(ctx.blocks_for(self._loads[i].block_ids, layer))]
+                    if ctx.moves_layer(self._loads[i].block_ids, layer, self._loads[i].skip_blocks)]
             for k in range(0, len(todo), self.per_slot):
                 idx = todo[k:k + self.per_slot]
                 self._items.append(_Item(layer, idx, [self._loads[i] for i in idx]))

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from tutti.engine.context import U64, Counters, JournalView, WorkerContext, log, nvtx_range
-from tutti.engine.plan import NULL_BLOCK, StoreChunk
+from tutti.engine.plan import StoreChunk
 from tutti.engine.staging import RegionArena
 from tutti.engine.writer import Writer
 from tutti.io.queue import WRITE, IORequest, submit_all
@@ -192,6 +192,8 @@ class StorePipeline:
         reqs = []
         with self._lock:
             live = [(i, st) for i, st in enumerate(run.chunks) if st.ticket in self._live]
+        # the layers each chunk carries (hybrid models with state groups: not every layer)
+        written = {i: [layer for layer in range(L) if ctx.moves_layer(st.block_ids, layer)] for i, st in live}
         errors: dict[int, BaseException] = {}
         pinned: list[int] = []
         futures: list = []
@@ -205,7 +207,7 @@ class StorePipeline:
                     continue
                 pinned.append(st.slot)
                 base = self.arena.buffer_offset(run.first + i)
-                for lo, hi in self._written_ranges(st):  # one request a chunk, split only past the queue's limit
+                for lo, hi in self._written_ranges(written[i]):  # one request a chunk, split only past the queue's limit
                     for o in range(lo, hi, max_io):
                         reqs.append(IORequest(fd, off + o, self.arena.buffer, base + o, min(max_io, hi - o), WRITE,
                                               tag=i))
@@ -233,46 +235,36 @@ class StorePipeline:
                 log.warning("tutti: store of chunk %s failed: %s", st.key.hex()[:16], errors[i])
                 self._fail([st], f"write failed: {errors[i]}", skipped=False)
             else:
-                kept = self._written_layers(st)
+                kept = set(written[i])
                 # a segment not written (a layer this entry holds nothing for) is journaled as 0:
                 # it is never loaded (its blocks are vLLM's null block) and `tutti verify` skips it
                 done.append((st, [int(s) & U64 if layer in kept else 0
-                                  for layer, s in enumerate(sums[i * L:(i + 1) * L])]))
+                                  for layer, s in enumerate(sums[i * L:(i + 1) * L])], len(kept)))
         if not done:
             return stalled
         try:
             with nvtx_range("commit"):
-                store.sync_data([st.slot for st, _ in done])
-                for st, cks in done:
+                store.sync_data([st.slot for st, _, _ in done])
+                for st, cks, _ in done:
                     store.record_put(st.key, st.slot, cks)
                 store.sync_journal()
         except OSError as exc:
             log.warning("tutti: making %d chunks durable failed: %s", len(done), exc)
-            self._fail([st for st, _ in done], f"sync failed: {exc}", skipped=False)
+            self._fail([st for st, _, _ in done], f"sync failed: {exc}", skipped=False)
             return stalled
-        for st, cks in done:
+        for st, cks, _ in done:
             self.journal.put(st.slot, st.key, cks)
         with self.counters.lock:
-            self.counters.report.stored.extend(st.ticket for st, _ in done)
-            self.counters.add_locked(bytes_stored=sum(len(self._written_layers(st)) for st, _ in done) * ctx.seg,
+            self.counters.report.stored.extend(st.ticket for st, _, _ in done)
+            self.counters.add_locked(bytes_stored=sum(n for _, _, n in done) * ctx.seg,
                                      store_seconds=time.perf_counter() - run.t0)
-        self._done([st for st, _ in done])
+        self._done([st for st, _, _ in done])
         return stalled
 
-    def _written_layers(self, st: StoreChunk) -> set[int]:
-        """Layers whose segment this entry carries: all of them, except (hybrid models with state
-        groups) layers whose blocks in this entry are all vLLM's null block: a chunk entry's state
-        layers, a state entry's attention layers."""
-        ctx = self.ctx
-        if ctx.num_groups == 1:
-            return set(range(ctx.num_layers))
-        return {layer for layer in range(ctx.num_layers)
-                if any(b != NULL_BLOCK for b in ctx.blocks_for(st.block_ids, layer))}
-
-    def _written_ranges(self, st: StoreChunk) -> list[tuple[int, int]]:
-        """Byte ranges of the chunk's slot to write: runs of consecutive written layers."""
+    def _written_ranges(self, layers: list[int]) -> list[tuple[int, int]]:
+        """Byte ranges of a chunk's slot to write: runs of consecutive written layers."""
         seg, out = self.ctx.seg, []
-        for layer in sorted(self._written_layers(st)):
+        for layer in layers:
             if out and out[-1][1] == layer * seg:
                 out[-1] = (out[-1][0], (layer + 1) * seg)
             else:

@@ -155,7 +155,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
                              f"{len(self._geom.groups.split(','))} attention layers in the KV cache groups")
         self._layer_index = {n: i for i, n in enumerate(names)}
         caches = [kv_caches[n] for n in names]
-        kinds = [item.split(":", 1)[1] for item in self._geom.groups.split(",")] if self._hybrid else []
+        kinds = self._geom.kind_of_layer
         if "state" in kinds:  # Mamba / linear-attention layers: their pages seen as an attention layer's
             like = next(c for c, k in zip(caches, kinds) if k != "state")
             caches = [compat.state_page_view(c, like, n) if k == "state" else c
