@@ -39,7 +39,15 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from vllm_ttft import make_model, prompt  # noqa: E402
 
 CHUNK = 256
-CASES = {"mapped": {"mapped_loads": True}, "file": {"mapped_loads": False}}
+# name: (tutti keys, vLLM engine keys). async_loads "auto" loads asynchronously where vLLM
+# schedules asynchronously (its default mode); the layer-wise cases show why.
+CASES = {
+    "mapped": ({"mapped_loads": True}, {}),
+    "file": ({"mapped_loads": False}, {}),
+    "mapped_async": ({"mapped_loads": True, "async_loads": True}, {}),
+    "mapped_layerwise": ({"mapped_loads": True, "async_loads": False}, {}),
+    "mapped_layerwise_sync_sched": ({"mapped_loads": True, "async_loads": False}, {"async_scheduling": False}),
+}
 
 
 # ----------------------------------------------------------------------------- on the worker
@@ -94,19 +102,19 @@ def rpc_install(self) -> dict:
 
         def start_step(plan, *, layerwise=True):
             w._probe["steps"].append((plan.step, layerwise, [(ld.key, ld.slot, tuple(ld.block_ids), ld.skip_blocks)
-                                                             for ld in plan.loads],
+                                                             for ld in list(plan.loads) + list(plan.async_loads)],
                                       [(st.key, tuple(st.block_ids)) for st in plan.stores]))
             return start(plan, layerwise=layerwise)
 
         w.start_step = start_step
-        fail = w.loads._fail
+        pipelines = [w.loads] + ([w.async_loads.pipeline] if w.async_loads is not None else [])
+        for lp in pipelines:
+            def _fail(self_, ld, why, _orig=lp._fail):
+                w._probe["failed"].append((ld.key.hex()[:16], why[:120]))
+                return _orig(ld, why)
 
-        def _fail(self_, ld, why):
-            w._probe["failed"].append((ld.key.hex()[:16], why[:120]))
-            return fail(ld, why)
-
-        w.loads._fail = types.MethodType(_fail, w.loads)
-    return {"maps": bool(w.loads.maps), "layers": w.ctx.num_layers, "seg": w.ctx.seg,
+            lp._fail = types.MethodType(_fail, lp)
+    return {"maps": bool(w.loads.maps), "async_loads": w.async_loads is not None, "layers": w.ctx.num_layers, "seg": w.ctx.seg,
             "cuda": w.ctx.cuda, "kernel": w.kernel.name}
 
 
@@ -275,13 +283,16 @@ def rpc_set(self, what: str, value) -> bool:
         object.__setattr__(w.ctx.cfg, "verify_checksums", bool(value))
     elif what == "loads_off":
         if value:
-            w.loads._real_start = w.loads.start
             w.loads.start = lambda loads, *, layerwise: None
             w.loads.wait_layer = lambda layer: None
             w.loads.finish = lambda: None
+            if w.async_loads is not None:  # received at once, nothing read or written
+                w.async_loads._run = lambda loads, after=None: (set(), set())
         else:
             for name in ("start", "wait_layer", "finish"):
                 w.loads.__dict__.pop(name, None)
+            if w.async_loads is not None:
+                w.async_loads.__dict__.pop("_run", None)
     return True
 
 
@@ -292,7 +303,11 @@ def run_case(case: str, a) -> dict:
     from tutti.demo import make_llm, greedy
 
     cuda = torch.cuda.is_available()
-    extra = {"root": a.root, "capacity_bytes": a.capacity, "chunk_tokens": CHUNK, **CASES[case]}
+    keys, engine_keys = CASES[case]
+    # staging with room for every store of a step, so every chunk of a prompt is stored and hit
+    staging = ({"staging_bytes": "256MiB", "staging_slots": 256, "max_inflight_stores": 200} if a.tiny else
+               {"staging_bytes": "4GiB", "staging_slots": 512, "max_inflight_stores": 448})
+    extra = {"root": a.root, "capacity_bytes": a.capacity, "chunk_tokens": CHUNK, **staging, **keys}
     kvt = {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     max_len = max(a.lengths) + CHUNK + 64
@@ -304,6 +319,7 @@ def run_case(case: str, a) -> dict:
     else:
         kw.update(block_size=32, dtype="float32", enforce_eager=True)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    kw.update(engine_keys)
     t0 = time.perf_counter()
     llm = make_llm(a.model, kv_transfer_config=kvt, **kw)
     eng = llm.llm_engine
@@ -321,11 +337,15 @@ def run_case(case: str, a) -> dict:
         o = llm.generate([{"prompt_token_ids": ids}], greedy(n), use_tqdm=False)[0]
         return list(o.outputs[0].token_ids), o.num_cached_tokens or 0, time.perf_counter() - t
 
-    def settle():
+    resets = []
+
+    def fresh(seed: int) -> None:
+        """Stores settled, vLLM's prefix cache empty, every KV block noise."""
         rpc(rpc_reference)
-        for _ in range(2):  # deliver the workers' reports to the scheduler
+        for _ in range(2):  # deliver the workers' reports (stores done, blocks freed) to the scheduler
             gen(prompt(999, 8, a.vocab), 1)
-        llm.reset_prefix_cache()
+        resets.append(bool(llm.reset_prefix_cache()))
+        rpc(rpc_scramble, seed)
 
     # On the GPU the dummy weights are re-seeded in place; the CPU build packs its linear weights at
     # load time (in-place changes never reach the matmuls), so the smoke run loads the demo's
@@ -338,8 +358,7 @@ def run_case(case: str, a) -> dict:
         p = prompts[n] = prompt(n, n, a.vocab)
         toks, cached, dt = gen(p)
         rec = {"first": {"tokens": toks, "cached": cached, "s": round(dt, 3)}}
-        settle()
-        rpc(rpc_scramble, n)
+        fresh(n)
         toks2, cached2, dt2 = gen(p)
         rec["hit"] = {"tokens_equal": toks2 == toks, "cached": cached2, "s": round(dt2, 3), "tokens": toks2}
         rec["blocks"] = rpc(rpc_compare, f"hit_{n}")
@@ -349,9 +368,7 @@ def run_case(case: str, a) -> dict:
     n0 = a.lengths[0]
     p_join = prompts[n0] + [7]
     ref_join, _, _ = gen(p_join)  # vLLM's own prefix cache serves the prompt: recompute's tokens
-    rpc(rpc_reference)
-    llm.reset_prefix_cache()
-    rpc(rpc_scramble, 77)
+    fresh(77)
     res, step, pending = {}, 0, {f"d{i}": (prompt(100 + i, 100, a.vocab), 48) for i in range(6)}
     pending["hit"] = (p_join, 16)
     while pending or eng.has_unfinished_requests():
@@ -370,37 +387,37 @@ def run_case(case: str, a) -> dict:
     # damaged segments with checksums on: exactly those chunks fail, vLLM recomputes, tokens stay
     p = prompts[n0]
     ref_toks = out[f"hit_{n0}"]["first"]["tokens"]
-    llm.reset_prefix_cache()
     damaged = rpc(rpc_damage, f"hit_{n0}", 3, min(5, info["worker"]["layers"] - 1))
-    rpc(rpc_scramble, 5)
+    fresh(5)
     toks, cached, dt = gen(p)
     cmp = rpc(rpc_compare)
     out["damaged_store"] = {"damaged": damaged, "failed": cmp["failed"], "exactly_those_failed":
                             sorted(damaged) == sorted(cmp["failed"]), "tokens_equal": toks == ref_toks,
-                            "cached": cached, "s": round(dt, 3), "blocks": cmp}
+                            "cached": cached, "s": round(dt, 3), "blocks": cmp, "tokens": toks,
+                            "first_tokens": ref_toks}
 
     # negative controls: they must give other tokens, or the token checks above prove nothing
     n1 = a.lengths[-1]
     p, ref_toks = prompts[n1], out[f"hit_{n1}"]["first"]["tokens"]
-    llm.reset_prefix_cache()
-    rpc(rpc_scramble, 11)
+    fresh(11)
     rpc(rpc_set, "loads_off", True)
     toks, cached, _ = gen(p)
     rpc(rpc_set, "loads_off", False)
     out["control_loads_left_out"] = {"tokens_differ": toks != ref_toks, "cached": cached}
-    llm.reset_prefix_cache()
-    rpc(rpc_scramble, 12)
+    fresh(12)
     rpc(rpc_set, "verify", False)
     rpc(rpc_scramble_store)
     toks, cached, _ = gen(p)
     out["control_store_scrambled_verify_off"] = {"tokens_differ": toks != ref_toks, "cached": cached}
     info["results"] = out
+    info["prefix_cache_resets_ok"] = resets
     return info
 
 
 def summarize(r: dict) -> dict:
     res = r.get("results", {})
-    s = {"case": r["case"], "cudagraph_mode": r.get("cudagraph_mode"), "async": r.get("async_scheduling")}
+    s = {"case": r["case"], "cudagraph_mode": r.get("cudagraph_mode"), "async": r.get("async_scheduling"),
+         "resets_ok": all(r.get("prefix_cache_resets_ok", [False]))}
     for name, v in res.items():
         b = v.get("blocks", {})
         s[name] = {k: v[k] for k in ("tokens_equal", "tokens_differ", "cached", "exactly_those_failed") if k in v}

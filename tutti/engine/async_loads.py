@@ -4,8 +4,11 @@ The request sits in vLLM's waiting queue until the worker reports it received; m
 chunks are read, verified and scattered on a thread of their own, with their own staging slots
 and CUDA stream, so the forward passes of other requests never wait for them. The outcome is
 per request: received, or failed (any chunk that could not be read or failed its checksum),
-which vLLM turns into a recompute of the request. Why this exists: with several KV cache groups
-(hybrid models) vLLM cannot take a synchronous load failure block by block, only per request.
+with the blocks its failed chunks would have written, which vLLM recomputes. Why this exists:
+vLLM's asynchronous scheduler schedules a step before the last step's output is read, so a
+layer-wise load that fails its checksum already has a token sampled from its KV in flight (tutti
+loads every hit this way under it); and with several KV cache groups (hybrid models) vLLM cannot
+take a synchronous load failure block by block, only per request.
 """
 
 from __future__ import annotations
@@ -29,25 +32,34 @@ class AsyncLoads:
         self._lock = threading.Lock()
         self._received: set[str] = set()
         self._failed: set[str] = set()
+        self._failed_blocks: set[int] = set()
         self._pending = 0
         self._thread = threading.Thread(target=self._loop, name="tutti-async-loads", daemon=True)
         self._thread.start()
 
     def submit(self, step: int, loads: list[LoadChunk]) -> None:
+        """From the step's thread, when vLLM binds the step that hands these blocks out: on CUDA
+        the loads wait for the work already queued on the compute stream (a freed request's last
+        step may still use the blocks), without the host waiting."""
+        after = None
+        if self.stream is not None:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.pipeline.ctx.device))
         with self._lock:
             self._pending += 1
-        self._jobs.put((step, list(loads)))
+        self._jobs.put((step, list(loads), after))
 
     @property
     def pending(self) -> int:
         with self._lock:
             return self._pending
 
-    def take(self) -> tuple[set[str], set[str]]:
-        """(received, failed) requests since the last call."""
+    def take(self) -> tuple[set[str], set[str], set[int]]:
+        """(received, failed) requests since the last call, and the blocks the failed chunks would
+        have written: taken together, so vLLM learns of a request and its bad blocks at once."""
         with self._lock:
-            out = (self._received, self._failed)
-            self._received, self._failed = set(), set()
+            out = (self._received, self._failed, self._failed_blocks)
+            self._received, self._failed, self._failed_blocks = set(), set(), set()
             return out
 
     def _loop(self) -> None:
@@ -55,12 +67,14 @@ class AsyncLoads:
             job = self._jobs.get()
             if job is None:
                 return
-            step, loads = job
+            step, loads, after = job
             try:
-                failed = self._run(loads)
+                failed, blocks = self._run(loads, after)
             except Exception:  # noqa: BLE001 - every request of the job fails (vLLM recomputes), the thread goes on
                 log.exception("tutti: asynchronous loads of step %d failed", step)
                 failed = {ld.key for ld in loads}
+                ctx = self.pipeline.ctx
+                blocks = {b for ld in loads for b in ctx.written_blocks(ld.block_ids, ld.skip_blocks)}
             reqs = {ld.req_id for ld in loads}
             bad = {ld.req_id for ld in loads if ld.key in failed}
             counters = self.pipeline.counters
@@ -69,19 +83,22 @@ class AsyncLoads:
             with self._lock:
                 self._received |= reqs - bad
                 self._failed |= bad
+                self._failed_blocks |= blocks
                 self._pending -= 1
 
-    def _run(self, loads: list[LoadChunk]) -> set[bytes]:
-        """Every layer of `loads`, verified; returns the keys that failed."""
+    def _run(self, loads: list[LoadChunk], after=None) -> tuple[set[bytes], set[int]]:
+        """Every layer of `loads`, verified; returns the keys that failed and their blocks."""
         lp = self.pipeline
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         with ctx:  # "the compute stream" of these loads is this thread's own stream
+            if after is not None:
+                self.stream.wait_event(after)
             lp.start(loads, layerwise=False)
             lp.finish()
-            lp.take_failed_blocks()  # resolves the device verdicts (this thread waits, nobody else)
+            blocks = lp.take_failed_blocks()  # resolves the device verdicts (this thread waits, nobody else)
             if self.stream is not None:
                 self.stream.synchronize()  # the scatters landed before vLLM is told
-        return lp.take_failed_keys()
+        return lp.take_failed_keys(), blocks
 
     def close(self) -> None:
         self._jobs.put(None)

@@ -255,8 +255,9 @@ def _foreign_index(raw_config: Mapping[str, Any], cfg: EngineConfig, geom: Geome
 
 
 def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Sequence[torch.Tensor], layout,
-                 kernel_blocks_per_block: int = 1, rank: int = 0) -> WorkerPipeline:
-    """One worker's half: its store (writer), IO queue, kernels and staging ring."""
+                 kernel_blocks_per_block: int = 1, rank: int = 0, async_loads: bool = False) -> WorkerPipeline:
+    """One worker's half: its store (writer), IO queue, kernels and staging ring. `async_loads`:
+    the scheduler loads every hit asynchronously (its own staging slots and thread)."""
     from tutti.io.queue import open_queue
     from tutti.io.store import ChunkStore
     from tutti.kernels import get_variant, segment_checksum
@@ -306,7 +307,8 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
         return WorkerPipeline(cfg, caches=caches, layout=layout, store=store, io_queue=q, kernel=kernel,
                               checksum=segment_checksum, segment_bytes=geom.segment_bytes,
                               chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block,
-                              writes=geom.writes, mac=mac, foreign=foreign, group_of_layer=geom.group_of_layer)
+                              writes=geom.writes, mac=mac, foreign=foreign, group_of_layer=geom.group_of_layer,
+                              async_loads=async_loads)
     except Exception:
         store.close()
         q.close()

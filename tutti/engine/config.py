@@ -191,6 +191,12 @@ class EngineConfig:
     # Loads copy straight from slab files mapped into memory (one DMA on CUDA, no read system
     # call): "auto" = where every root is on a RAM file system (tmpfs, ramfs) and not shared.
     mapped_loads: Any = "auto"
+    # Hits load asynchronously: vLLM holds the request outside the batch until its KV is read,
+    # verified and scattered, so the batch never waits and a failed chunk is recomputed before
+    # any token is sampled from it. "auto" = where vLLM schedules asynchronously (its default):
+    # there a step is scheduled before the last one's output is read, so a layer-wise load that
+    # fails its checksum would already have a token sampled from its KV in flight.
+    async_loads: Any = "auto"
     store_decode: bool = False  # also store chunks completed by generated tokens
     # Publish tutti's KV events (BlockStored/BlockRemoved, medium STORAGE) on this ZMQ endpoint
     # in vLLM's wire format; "" = off (events still go through vLLM's --kv-events-config).
@@ -250,12 +256,12 @@ class EngineConfig:
                 if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                     raise ConfigError(f"{name}={v!r}: expected an integer in [{lo}, {hi}]")
                 kw[name] = v
-        if "mapped_loads" in raw:
-            v = raw.pop("mapped_loads")
-            if v not in ("auto", True, False) or isinstance(v, int) and not isinstance(v, bool):
-                raise ConfigError(f"mapped_loads={v!r}: expected \"auto\" (RAM roots "
-                                 "only), true or false")
-            kw["mapped_loads"] = v
+        for name, auto in (("mapped_loads", "RAM roots only"), ("async_loads", "where vLLM schedules asynchronously")):
+            if name in raw:
+                v = raw.pop(name)
+                if not (v == "auto" and isinstance(v, str) or isinstance(v, bool)):
+                    raise ConfigError(f"{name}={v!r}: expected \"auto\" ({auto}), true or false")
+                kw[name] = v
         for name in ("verify_checksums", "store_decode"):
             if name in raw:
                 v = raw.pop(name)

@@ -37,7 +37,8 @@ class WorkerPipeline:
     def __init__(self, cfg: EngineConfig, *, caches: Sequence[torch.Tensor], layout, store, io_queue: IOQueue,
                  kernel, checksum: Callable[[torch.Tensor], torch.Tensor], segment_bytes: int,
                  chunk_tokens: int, kernel_blocks_per_block: int = 1, staging: torch.Tensor | None = None,
-                 writes: bool = True, mac=None, foreign=None, group_of_layer: list[int] | None = None) -> None:
+                 writes: bool = True, mac=None, foreign=None, group_of_layer: list[int] | None = None,
+                 async_loads: bool = False) -> None:
         self.cfg = cfg
         if group_of_layer is not None and len(group_of_layer) != len(caches):
             raise ValueError(f"group_of_layer: {len(group_of_layer)} entries for {len(caches)} layers")
@@ -51,9 +52,18 @@ class WorkerPipeline:
         # The first slots serve the rolling loads; the rest is the store arena, cut in whole chunks.
         load_slots = cfg.staging_slots - cfg.max_inflight_stores
         load_bytes = slot_bytes * load_slots
-        # Hybrid models load asynchronously (tutti.engine.async_loads): a quarter of the load slots
-        # (at least one) are theirs, carved from the same registered buffer.
-        async_slots = max(1, load_slots // 4) if group_of_layer is not None and load_slots > 1 else 0
+        # Asynchronous loads (tutti.engine.async_loads) get slots of their own, carved from the same
+        # registered buffer: every load slot but one where every hit loads that way, a quarter (at
+        # least one) for hybrid models otherwise.
+        async_slots = 0
+        if async_loads:
+            if load_slots < 2:
+                raise ValueError(f"async_loads: needs at least 2 load staging slots, and staging_slots="
+                                 f"{cfg.staging_slots} - max_inflight_stores={cfg.max_inflight_stores} leaves "
+                                 f"{load_slots}; raise staging_slots or lower max_inflight_stores")
+            async_slots = load_slots - 1
+        elif group_of_layer is not None and load_slots > 1:
+            async_slots = max(1, load_slots // 4)
         sync_bytes = load_bytes - async_slots * slot_bytes
         ring = StagingRing(staging[:sync_bytes], slot_bytes, self.ctx.device)
         arena = RegionArena(staging, load_bytes, slot_bytes * cfg.max_inflight_stores, self.ctx.chunk_bytes,
@@ -217,9 +227,10 @@ class WorkerPipeline:
         self.loads.resolve()
         return self.counters.take_report()
 
-    def received_requests(self) -> tuple[set[str], set[str]]:
-        """Asynchronous loads: (requests received, requests that failed) since the last call."""
-        return self.async_loads.take() if self.async_loads is not None else (set(), set())
+    def received_requests(self) -> tuple[set[str], set[str], set[int]]:
+        """Asynchronous loads since the last call: (requests received, requests that failed, the
+        blocks their failed chunks would have written)."""
+        return self.async_loads.take() if self.async_loads is not None else (set(), set(), set())
 
     def finished_requests(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose stores are all done, among those vLLM says have finished."""

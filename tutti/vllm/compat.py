@@ -101,6 +101,12 @@ def step_runs_layer_hooks(forward_context: Any | None) -> bool:
     return getattr(mode, "name", None) != "FULL"
 
 
+def schedules_async(vllm_config: Any) -> bool:
+    """Whether vLLM schedules a step before the last one's output is read (its asynchronous
+    scheduler, on by default since 0.11; resolved in the config by the time a connector exists)."""
+    return bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+
+
 def current_forward_context() -> Any | None:
     """The forward context vLLM has set for this step, or None outside of one."""
     from vllm import forward_context as _fc

@@ -90,6 +90,12 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         if any(kind == "state" for kind, _ in groups):  # a chunk's segments: every layer with a cache
             geom = replace(geom, num_layers=sum(len(names) for _, names in groups))
         self._hybrid = bool(geom.groups)
+        # Hits load asynchronously for hybrid models (vLLM takes their failures per request only)
+        # and, by default, wherever vLLM schedules asynchronously: a layer-wise load failing its
+        # checksum there would already have a token sampled from its KV in flight (see async_loads).
+        mode = self._cfg.async_loads
+        self._async_loads = self._hybrid or mode is True or (mode == "auto" and compat.schedules_async(vllm_config))
+        self._failed_async_blocks: set[int] = set()
         if self._hybrid and not compat.has_transfer_results():
             raise ValueError(
                 f"TuttiHybridConnectorV1: vLLM {'.'.join(map(str, compat.vllm_version()))} cannot be told that an "
@@ -165,7 +171,8 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         geom = self._geom.for_rank(*compat.worker_ranks(self._vllm_config))
         try:
             self._worker = build_worker(self._extra, geom, caches=views, layout=layout,
-                                        kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config))
+                                        kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config),
+                                        async_loads=self._async_loads and not self._hybrid)
         except Exception:
             compat.release_global_connector(self)  # the engine will not start: do not haunt the next one
             raise
@@ -213,10 +220,15 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._worker.end_step()
 
     def _completions(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(requests whose stores are done, asynchronous loads received, asynchronous loads failed)."""
+        """(requests whose stores are done, asynchronous loads received, asynchronous loads failed).
+        With one KV cache group a failed request is received, its bad blocks reported with this
+        step's invalid blocks (vLLM recomputes from the first); hybrid models fail per request."""
         if self._worker is None:
             return set(), set(), set()
-        received, failed = self._worker.received_requests()
+        received, failed, blocks = self._worker.received_requests()
+        if not self._hybrid:
+            received, failed = received | failed, set()
+            self._failed_async_blocks |= blocks
         return self._worker.finished_requests(set(finished_req_ids)), received, failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -231,7 +243,10 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         return compat.make_transfer_results(*self._completions(finished_req_ids))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_failed_blocks() if self._worker is not None else set()
+        if self._worker is None:
+            return set()
+        out, self._failed_async_blocks = self._failed_async_blocks, set()
+        return out | self._worker.take_failed_blocks()
 
     def build_connector_worker_meta(self) -> Any:
         if self._worker is None:
@@ -265,14 +280,13 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._requests[request.request_id] = request  # its generated tokens, read each step
         if self._events is not None:
             self._events.add_request(request)
-        # synchronous: loading is layer-wise inside the step; a hybrid model's hits load
-        # asynchronously (vLLM takes their failures per request only, see TuttiHybridConnectorV1)
-        return n, bool(self._hybrid and n)
+        # layer-wise inside the step, or asynchronously (vLLM holds the request until received)
+        return n, bool(self._async_loads and n)
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         assert self._planner is not None
         self._planner.on_alloc(request.request_id, self._blocks(blocks), num_external_tokens,
-                               async_load=self._hybrid)
+                               async_load=self._async_loads)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._planner is not None
