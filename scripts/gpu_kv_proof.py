@@ -358,9 +358,17 @@ def run_case(case: str, a) -> dict:
         p = prompts[n] = prompt(n, n, a.vocab)
         toks, cached, dt = gen(p)
         rec = {"first": {"tokens": toks, "cached": cached, "s": round(dt, 3)}}
+        # vLLM's own prefix cache in the hit's shape: the prompt less its last chunk computed
+        # first, then the prompt (vLLM serves the front from its cache and computes the last chunk,
+        # as it will after tutti's hit): what "a hit gives recompute's tokens" means for vLLM itself
+        fresh(n + 1)
+        gen(p[: n - CHUNK], 1)
+        toks_v, cached_v, _ = gen(p)
+        rec["vllm_prefix_cache"] = {"tokens": toks_v, "cached": cached_v, "tokens_equal_first": toks_v == toks}
         fresh(n)
         toks2, cached2, dt2 = gen(p)
-        rec["hit"] = {"tokens_equal": toks2 == toks, "cached": cached2, "s": round(dt2, 3), "tokens": toks2}
+        rec["hit"] = {"tokens_equal": toks2 == toks, "cached": cached2, "s": round(dt2, 3), "tokens": toks2,
+                      "tokens_equal_vllm_prefix_cache": toks2 == toks_v}
         rec["blocks"] = rpc(rpc_compare, f"hit_{n}")
         out[f"hit_{n}"] = rec
 
@@ -423,7 +431,10 @@ def summarize(r: dict) -> dict:
         s[name] = {k: v[k] for k in ("tokens_equal", "tokens_differ", "cached", "exactly_those_failed") if k in v}
         if "hit" in v:
             s[name].update(tokens_equal=v["hit"]["tokens_equal"], cached=v["hit"]["cached"], hit_s=v["hit"]["s"],
-                           first_s=v["first"]["s"])
+                           first_s=v["first"]["s"],
+                           tokens_equal_vllm_prefix_cache=v["hit"].get("tokens_equal_vllm_prefix_cache"),
+                           vllm_prefix_cache_cached=v.get("vllm_prefix_cache", {}).get("cached"),
+                           vllm_prefix_cache_equal_first=v.get("vllm_prefix_cache", {}).get("tokens_equal_first"))
         if b and b.get("failed"):
             order = b.get("order", [])
             first = next((i for i, (_, f) in enumerate(order) if f), len(order))
