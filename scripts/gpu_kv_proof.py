@@ -58,12 +58,14 @@ def _tutti(self):
     return get_kv_transfer_group().worker
 
 
-def rpc_reseed(self, seed: int) -> int:
+def rpc_reseed(self, seed: int, recipe: str = "plain") -> int:
     """Seeded weights whose tokens depend on what attention reads: vLLM's dummy weights (uniform
-    within 1e-3) give the same tokens whatever the cache holds. transformers' std 0.02, embeddings
-    std 1, norms 1, and attention's projections scaled as the demo's tiny Llama has them (q, k
-    2.26/sqrt(hidden), v, o 5.66/sqrt(hidden): 0.2 and 0.5 at hidden 128), so attention is sharp
-    and its output outweighs the residual stream."""
+    within 1e-3) give the same tokens whatever the cache holds. "plain": transformers' std 0.02,
+    embeddings std 1, norms 1 (tokens stable across compute shapes). "sharp": attention's
+    projections scaled as the demo's tiny Llama has them (q, k 2.26/sqrt(hidden), v, o
+    5.66/sqrt(hidden)): tokens follow the KV more closely, but the argmax of a sharp attention
+    then flips with the last bits of bf16 arithmetic, so the same KV computed in another batch
+    shape (vLLM's own prefix cache too) gives other tokens; bytes are the proof there."""
     import math
 
     import torch
@@ -81,9 +83,9 @@ def rpc_reseed(self, seed: int) -> int:
             std = 0.02
             if "embed" in name:
                 std = 1.0
-            elif hidden and ("qkv_proj" in name or "q_proj" in name or "k_proj" in name):
+            elif recipe == "sharp" and ("qkv_proj" in name or "q_proj" in name or "k_proj" in name):
                 std = 2.26 / math.sqrt(hidden)
-            elif hidden and ("o_proj" in name or "v_proj" in name):
+            elif recipe == "sharp" and ("o_proj" in name or "v_proj" in name):
                 std = 5.66 / math.sqrt(hidden)
             p.copy_((torch.randn(p.shape, generator=g) * std).to(p.dtype))
             n += 1
@@ -350,7 +352,8 @@ def run_case(case: str, a) -> dict:
     # On the GPU the dummy weights are re-seeded in place; the CPU build packs its linear weights at
     # load time (in-place changes never reach the matmuls), so the smoke run loads the demo's
     # seeded tiny Llama instead.
-    info["reseeded"] = rpc(rpc_reseed, 1234) if cuda else "weights from tutti.demo.make_tiny_model"
+    info["reseeded"] = (f"{a.reseed}: {rpc(rpc_reseed, 1234, a.reseed)} tensors" if cuda
+                        else "weights from tutti.demo.make_tiny_model")
     info["worker"] = rpc(rpc_install)
     out = {}
     prompts = {}
@@ -358,6 +361,8 @@ def run_case(case: str, a) -> dict:
         p = prompts[n] = prompt(n, n, a.vocab)
         toks, cached, dt = gen(p)
         rec = {"first": {"tokens": toks, "cached": cached, "s": round(dt, 3)}}
+        if n == a.lengths[0]:  # the FULL-graph case's reference: vLLM's prefix cache over this very KV
+            ref_join, _, _ = gen(p + [7])
         # vLLM's own prefix cache in the hit's shape: the prompt less its last chunk computed
         # first, then the prompt (vLLM serves the front from its cache and computes the last chunk,
         # as it will after tutti's hit): what "a hit gives recompute's tokens" means for vLLM itself
@@ -375,7 +380,6 @@ def run_case(case: str, a) -> dict:
     # FULL graph: decode requests running, then a hit whose last token is the only one to compute
     n0 = a.lengths[0]
     p_join = prompts[n0] + [7]
-    ref_join, _, _ = gen(p_join)  # vLLM's own prefix cache serves the prompt: recompute's tokens
     fresh(77)
     res, step, pending = {}, 0, {f"d{i}": (prompt(100 + i, 100, a.vocab), 48) for i in range(6)}
     pending["hit"] = (p_join, 16)
@@ -454,6 +458,7 @@ def main() -> None:
     ap.add_argument("--capacity", default="24GiB")
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--batched-tokens", type=int, default=8192)
+    ap.add_argument("--reseed", default="plain", choices=["plain", "sharp"])
     ap.add_argument("--tiny", action="store_true", help="a small model and short prompts (the CPU smoke run)")
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
@@ -474,7 +479,8 @@ def main() -> None:
         root = f"{a.root}-{case}"
         shutil.rmtree(root, ignore_errors=True)
         cmd = [sys.executable, __file__, "--case", case, "--model", model, "--root", root, "--capacity", a.capacity,
-               "--lengths", ",".join(map(str, a.lengths)), "--batched-tokens", str(a.batched_tokens)]
+               "--lengths", ",".join(map(str, a.lengths)), "--batched-tokens", str(a.batched_tokens),
+               "--reseed", a.reseed]
         if a.tiny:
             cmd.append("--tiny")
         t = time.perf_counter()
