@@ -123,8 +123,8 @@ def test_asynchronous_loads_report_each_request_received_or_failed(tmp_path):
                                                  LoadChunk("bad", b"b" * 32, 2, (8, 9, 16, 17))])
     run_step(w, plan)
     w.flush()
-    assert w.received_requests() == ({"ok"}, {"bad"})
-    assert w.take_failed_blocks() == set()  # never block by block: vLLM takes these per request
+    assert w.received_requests() == ({"ok"}, {"bad"}, {8, 9, 16, 17})  # the blocks the bad chunk writes
+    assert w.take_failed_blocks() == set()  # the step's own loads: none (the connector reports these per request)
     rep = w.take_report()
     assert 3 in rep.steps_done and rep.load_failed == [b"b" * 32]
     for layer in (0, 2):

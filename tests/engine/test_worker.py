@@ -547,3 +547,40 @@ def test_mapped_loads_are_off_by_default_off_ram_file_systems(tmp_path):
     w = worker(tmp_path, make_caches(0))
     assert w.store.maps_ram == (fs_type(str(tmp_path)) in ("tmpfs", "ramfs"))
     w.close()
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["file", "mapped"])
+def test_async_loads_are_bit_exact_and_fail_block_by_block(tmp_path, mapped):
+    """`async_loads` (one KV cache group): a hit loads on its own thread and stream while vLLM
+    holds the request; a good chunk arrives bit exact, a damaged one is reported with exactly the
+    blocks it would have written (vLLM recomputes from the first), in the same take() as its
+    request, and nothing of it reaches the step's own failed blocks."""
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(0, [0, 1]), (1, [2, 3]), (2, [4, 5])])
+    slab = next(p for p in tmp_path.rglob("slab-*.bin"))
+    with open(slab, "r+b") as f:  # flip a byte in layer 2 of slot 1
+        off = geometry().slot_bytes + 2 * geometry().segment_bytes + 9
+        f.seek(off); b = f.read(1); f.seek(off); f.write(bytes([b[0] ^ 0x10]))
+    dst = make_caches(1)
+    before = [c.clone() for c in dst]
+    w = worker(tmp_path, dst, mapped_loads=mapped, async_loads=True)
+    assert w.async_loads is not None and w.store.maps_ram == mapped
+    loads = [LoadChunk("a", bytes([0]) * 32, 0, (14, 15)), LoadChunk("b", bytes([1]) * 32, 1, (16, 17)),
+             LoadChunk("b", bytes([2]) * 32, 2, (18, 19), skip_blocks=1)]
+    run_step(w, StepPlan(2, async_step=3, async_loads=loads))
+    w.flush()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    assert w.received_requests() == ({"a"}, {"b"}, {16, 17})
+    assert w.take_failed_blocks() == set()
+    for s, d, b0 in zip(src, dst, before):
+        assert torch.equal(d[[14, 15]], s[[0, 1]])
+        assert torch.equal(d[19], s[5]) and torch.equal(d[18], b0[18])  # the skipped block is vLLM's own
+    rep = w.take_report()
+    assert 3 in rep.steps_done and rep.load_failed == [loads[1].key]
+    w.close()
+
+
+def test_async_loads_need_two_load_slots(tmp_path):
+    with pytest.raises(ValueError, match="async_loads: needs at least 2 load staging slots"):
+        worker(tmp_path, make_caches(0), staging_slots=9, max_inflight_stores=8, async_loads=True)

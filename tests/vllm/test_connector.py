@@ -118,10 +118,13 @@ def test_preemption_gives_identical_tokens(tiny_model, tmp_path, reference):
     assert got == want
 
 
-def test_corrupt_chunk_is_recomputed_and_counted(tiny_model, tmp_path, reference):
+@pytest.mark.parametrize("async_loads", [False, True], ids=["layerwise", "async"])
+def test_corrupt_chunk_is_recomputed_and_counted(tiny_model, tmp_path, reference, async_loads):
+    """Layer-wise (in the step) and asynchronous (vLLM holds the request until received, the
+    default where vLLM schedules asynchronously): a chunk failing its checksum is recomputed."""
     p = prompt(3, 300)
     root = tmp_path / "kv"
-    kvt = kv_config(root)
+    kvt = kv_config(root, async_loads=async_loads)
     child_run(tiny_model, kvt, [p])
     slab = next(root.rglob("slab-*.bin"))
     data = bytearray(slab.read_bytes())
@@ -186,3 +189,15 @@ def test_store_decode_stores_chunks_completed_by_generated_tokens(tiny_model, tm
             assert out.num_cached_tokens == hit and list(out.outputs[0].token_ids) == want
         finally:
             harness.shutdown_llm(llm)
+
+
+def test_async_loads_auto_follows_vllms_scheduler():
+    """"auto" loads asynchronously exactly where vLLM schedules asynchronously (its default on
+    the GPU: a failed layer-wise load there already has a token sampled from its KV in flight)."""
+    from types import SimpleNamespace
+
+    from tutti.vllm import compat
+
+    assert compat.schedules_async(SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True)))
+    assert not compat.schedules_async(SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False)))
+    assert not compat.schedules_async(SimpleNamespace())

@@ -255,9 +255,10 @@ def _foreign_index(raw_config: Mapping[str, Any], cfg: EngineConfig, geom: Geome
 
 
 def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Sequence[torch.Tensor], layout,
-                 kernel_blocks_per_block: int = 1, rank: int = 0, async_loads: bool = False) -> WorkerPipeline:
+                 kernel_blocks_per_block: int = 1, rank: int = 0, async_loads: bool | None = None) -> WorkerPipeline:
     """One worker's half: its store (writer), IO queue, kernels and staging ring. `async_loads`:
-    the scheduler loads every hit asynchronously (its own staging slots and thread)."""
+    the scheduler loads every hit asynchronously (its own staging slots and thread); None: only
+    where the config says true ("auto" is the connector's to resolve, from what vLLM runs)."""
     from tutti.io.queue import open_queue
     from tutti.io.store import ChunkStore
     from tutti.kernels import get_variant, segment_checksum
@@ -308,7 +309,7 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
                               checksum=segment_checksum, segment_bytes=geom.segment_bytes,
                               chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block,
                               writes=geom.writes, mac=mac, foreign=foreign, group_of_layer=geom.group_of_layer,
-                              async_loads=async_loads)
+                              async_loads=cfg.async_loads is True if async_loads is None else async_loads)
     except Exception:
         store.close()
         q.close()
