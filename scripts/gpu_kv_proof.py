@@ -305,6 +305,10 @@ def run_case(case: str, a) -> dict:
     from tutti.demo import make_llm, greedy
 
     cuda = torch.cuda.is_available()
+    # vLLM's default: the engine core in its own process (tutti's demo harness keeps it in-process)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("KV_PROOF_MULTIPROCESSING", "1")
+    # the probes are functions sent to the worker process (cloudpickle); this process only
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     keys, engine_keys = CASES[case]
     # staging with room for every store of a step, so every chunk of a prompt is stored and hit
     staging = ({"staging_bytes": "256MiB", "staging_slots": 256, "max_inflight_stores": 200} if a.tiny else
