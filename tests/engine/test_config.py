@@ -95,9 +95,47 @@ def test_staging_bound_follows_sysconf(monkeypatch):
     with pytest.raises(ValueError, match=r"staging_bytes=2147483648: .*the host has 2\.0 GiB.*pass at most 1073741824"):
         EngineConfig.from_dict(base(staging_bytes="2GiB"))
     assert EngineConfig.from_dict(base(staging_bytes="1GiB")).staging_bytes == 1 << 30
-    pages["SC_PHYS_PAGES"] = (512 << 20) // 4096  # a 512 MiB host: even the default is too much
+    pages["SC_PHYS_PAGES"] = (512 << 20) // 4096  # a 512 MiB host: 512 MiB of staging by hand is too much
     with pytest.raises(ValueError, match=r"staging_bytes=536870912: .*pass at most 268435456 \(256\.0 MiB\)$"):
-        EngineConfig.from_dict(base())
+        EngineConfig.from_dict(base(staging_slots=64))
+
+
+# ---- "auto" staging: sized for the geometry and vLLM's step -------------------------------------------
+GIB = 1 << 30
+
+
+def test_auto_staging_holds_two_steps_of_stores():
+    """The default: the stores of two steps of prefill (one gathered while the last is written),
+    so a store is skipped only when the storage is slower than prefill. 8B geometry: 1 MiB
+    segments, 32 MiB chunks; vLLM's 8192-token steps make 32 chunks each."""
+    cfg = EngineConfig.from_dict(base())
+    assert cfg.staging_auto and cfg.max_inflight_stores == "auto"
+    sized = cfg.sized_staging(segment_bytes=1 << 20, chunk_bytes=32 << 20, step_tokens=8192, memory_bytes=128 * GIB)
+    assert sized.staging_slot_bytes == 8 << 20
+    assert sized.max_inflight_stores * sized.staging_slot_bytes == 64 * (32 << 20)  # 64 chunks: two steps
+    assert sized.staging_slots - sized.max_inflight_stores == 16  # loads: four chunks
+    assert sized.staging_bytes == (256 + 16) * (8 << 20)
+    # a step budget twice as large doubles the stores' room; another geometry keeps whole segments
+    assert sized.max_inflight_stores * 2 == cfg.sized_staging(segment_bytes=1 << 20, chunk_bytes=32 << 20,
+                                                              step_tokens=16384, memory_bytes=128 * GIB).max_inflight_stores
+    odd = cfg.sized_staging(segment_bytes=3 << 12, chunk_bytes=4 * (3 << 12), step_tokens=512, memory_bytes=128 * GIB)
+    assert odd.staging_slot_bytes % (3 << 12) == 0 and odd.max_inflight_stores >= 1
+
+
+def test_auto_staging_is_capped_by_host_memory(caplog):
+    cfg = EngineConfig.from_dict(base())
+    with caplog.at_level("WARNING", logger="tutti.engine"):
+        sized = cfg.sized_staging(segment_bytes=1 << 20, chunk_bytes=32 << 20, step_tokens=8192, memory_bytes=4 * GIB)
+    assert sized.staging_bytes <= GIB  # a quarter of the host
+    assert "stores of more than" in caplog.text and "staging_bytes" in caplog.text
+
+
+def test_any_staging_key_sizes_it_by_hand():
+    cfg = EngineConfig.from_dict(base(staging_slots=128))
+    assert (cfg.staging_bytes, cfg.staging_slots, cfg.max_inflight_stores) == (512 << 20, 128, 48)
+    assert not cfg.staging_auto
+    assert cfg.sized_staging(segment_bytes=1 << 20, chunk_bytes=32 << 20, step_tokens=8192) is cfg
+    assert EngineConfig.from_dict(base(staging_bytes="auto")).staging_auto
 
 
 # ---- roots -----------------------------------------------------------------------------------

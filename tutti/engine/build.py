@@ -183,6 +183,11 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
             f"block_size={geom.block_size}; try {max(1, round(geom.chunk_tokens / geom.block_size)) * geom.block_size}"
         )
     num_slots = check_capacity(cfg, geom)
+    if cfg.lookahead != "auto" and cfg.lookahead > geom.num_layers:
+        raise ConfigError(f"lookahead={cfg.lookahead}: more layers read ahead than the model has "
+                          f"({geom.num_layers}); expected at most {geom.num_layers}, or \"auto\"")
+    if cfg.staging_auto:
+        return num_slots  # sized for this geometry by sized_staging (the worker's half)
     if geom.segment_bytes > cfg.staging_slot_bytes:
         raise ConfigError(
             f"staging_bytes={cfg.staging_bytes}: a staging slot ({cfg.staging_slot_bytes} B "
@@ -255,15 +260,18 @@ def _foreign_index(raw_config: Mapping[str, Any], cfg: EngineConfig, geom: Geome
 
 
 def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Sequence[torch.Tensor], layout,
-                 kernel_blocks_per_block: int = 1, rank: int = 0, async_loads: bool | None = None) -> WorkerPipeline:
+                 kernel_blocks_per_block: int = 1, rank: int = 0, async_loads: bool | None = None,
+                 step_tokens: int | None = None) -> WorkerPipeline:
     """One worker's half: its store (writer), IO queue, kernels and staging ring. `async_loads`:
     the scheduler loads every hit asynchronously (its own staging slots and thread); None: only
-    where the config says true ("auto" is the connector's to resolve, from what vLLM runs)."""
+    where the config says true ("auto" is the connector's to resolve, from what vLLM runs).
+    `step_tokens`: vLLM's token budget of a step, which "auto" staging is sized for."""
     from tutti.io.queue import open_queue
     from tutti.io.store import ChunkStore
     from tutti.kernels import get_variant, segment_checksum
 
-    cfg = EngineConfig.from_dict(raw_config, rank=rank)
+    cfg = EngineConfig.from_dict(raw_config, rank=rank).sized_staging(
+        segment_bytes=geom.segment_bytes, chunk_bytes=geom.slot_bytes, step_tokens=step_tokens)
     check_geometry(cfg, geom)
     mac = segment_mac(cfg)  # the secret is read once per half, before any IO
     geom = with_integrity(geom, mac)

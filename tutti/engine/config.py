@@ -179,11 +179,14 @@ class EngineConfig:
     # A load read not done after this many seconds (a stalled network file system) fails its
     # chunk, which vLLM recomputes, instead of hanging the step.
     io_timeout_s: float = 10.0
-    # Host staging ring (pinned where CUDA exists), cut into equal slots. A store holds one slot
-    # per layer per group of chunks from its step until written; what does not fit is skipped.
-    staging_bytes: int = 512 << 20
-    staging_slots: int = 64
-    max_inflight_stores: int = 48  # slots stores may hold; the rest serve the rolling loads
+    # Host staging ring (pinned where CUDA exists), cut into equal slots: the rolling loads' and
+    # the stores' (whole chunks, from their step until written; what does not fit is skipped).
+    # "auto" (all three left out): sized at start-up from the model's geometry and vLLM's step
+    # token budget (`sized_staging`), so stores are skipped only when the storage is slower than
+    # prefill; give any of them to size it yourself (the others then default to 512 MiB, 64, 48).
+    staging_bytes: Any = "auto"
+    staging_slots: Any = "auto"
+    max_inflight_stores: Any = "auto"  # slots stores may hold; the rest serve the rolling loads
     verify_checksums: bool = True
     slots_per_slab: int = 64
     io_options: Mapping[str, Any] = field(default_factory=dict)  # the IO backend's own keyword options
@@ -217,7 +220,46 @@ class EngineConfig:
 
     @property
     def staging_slot_bytes(self) -> int:
+        if self.staging_auto:
+            raise RuntimeError("staging is 'auto': size it first (EngineConfig.sized_staging)")
         return (self.staging_bytes // self.staging_slots) // 4096 * 4096
+
+    @property
+    def staging_auto(self) -> bool:
+        return self.staging_bytes == "auto"
+
+    def sized_staging(self, *, segment_bytes: int, chunk_bytes: int, step_tokens: int | None,
+                      memory_bytes: int | None = None) -> "EngineConfig":
+        """This config with "auto" staging sized: slots of about 8 MiB (whole segments), room for
+        the stores of two steps of `step_tokens` prefill tokens (one being gathered while the last
+        is written: at the storage's own pace nothing is skipped), and load slots for four chunks
+        (at least 16). Capped at a quarter of host memory (pinned memory), logged when the cap
+        cuts the stores' room."""
+        if not self.staging_auto:
+            return self
+        from dataclasses import replace
+
+        slot = segment_bytes * max(1, (8 << 20) // segment_bytes)
+        step = step_tokens if step_tokens and step_tokens > 0 else 8192
+        store_chunks = max(4, 2 * -(-step // self.chunk_tokens))
+        load_slots = max(16, -(-4 * chunk_bytes // slot), (self.lookahead if self.lookahead != "auto" else 0) + 2)
+        mem = host_memory_bytes() if memory_bytes is None else memory_bytes
+        cap = mem // 4 if mem else None
+        want = store_chunks
+        while True:
+            inflight = max(1, -(-store_chunks * chunk_bytes // slot))
+            total = (inflight + load_slots) * slot
+            if cap is None or total <= cap or store_chunks <= 2:
+                break
+            store_chunks -= 1
+        if store_chunks < want:
+            log.warning("tutti: staging sized to %s (a quarter of host memory, pinned): stores of more than %d "
+                        "chunks in flight are skipped (a step of %d tokens makes %d); set staging_bytes, "
+                        "staging_slots and max_inflight_stores to size it yourself", _human(total), store_chunks,
+                        step, -(-step // self.chunk_tokens))
+        out = replace(self, staging_bytes=total, staging_slots=inflight + load_slots, max_inflight_stores=inflight)
+        out.validate()
+        return out
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], *, rank: int = 0) -> "EngineConfig":
@@ -244,6 +286,11 @@ class EngineConfig:
             raise ConfigError("capacity_bytes: missing; give the store's size, e.g. '64GiB'")
         kw: dict[str, Any] = {"roots": roots, "capacity_bytes": parse_bytes(
             "capacity_bytes", raw.pop("capacity_bytes"))}
+        if {"staging_bytes", "staging_slots", "max_inflight_stores"} & set(raw):  # sized by hand
+            kw.update(staging_bytes=512 << 20, staging_slots=64, max_inflight_stores=48)
+        if raw.get("staging_bytes") == "auto" and not {"staging_slots", "max_inflight_stores"} & set(raw):
+            raw.pop("staging_bytes")
+            kw.update(staging_bytes="auto", staging_slots="auto", max_inflight_stores="auto")
         if "staging_bytes" in raw:
             kw["staging_bytes"] = parse_bytes("staging_bytes", raw.pop("staging_bytes"))
         if raw.get("lookahead") == "auto":
@@ -327,13 +374,15 @@ class EngineConfig:
         return cfg
 
     def validate(self) -> None:
-        for name in ("capacity_bytes", "staging_bytes"):
+        for name in ("capacity_bytes",) + (() if self.staging_auto else ("staging_bytes",)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v > MAX_BYTES:
                 raise ConfigError(f"{name}={v!r}: expected a finite byte count below 2**63 "
                                  "such as '64GiB'")
         if self.capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes={self.capacity_bytes}: expected a positive size")
+        if self.staging_auto:
+            return  # sized at start-up (sized_staging), which validates again
         mem = host_memory_bytes()
         if mem is not None and self.staging_bytes > mem // 2:
             half = mem // 2

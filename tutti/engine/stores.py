@@ -58,6 +58,7 @@ class StorePipeline:
         # Writes past io_timeout_s (a stalled file system): their chunks failed, but the kernel
         # may still land them, so their staging regions and slab descriptors stay held until then.
         self._stragglers: list[tuple[list, list[int], int, int]] = []  # (futures, pinned slots, first, count)
+        self._warned_skip = False
 
     # ---------------------------------------------------------------- step
     def planned(self, stores: Sequence[StoreChunk]) -> None:
@@ -277,6 +278,11 @@ class StorePipeline:
         failed (a write or sync error, a full disk): both free their slots, only the first is
         counted in stores_skipped, so stores_failed - stores_skipped counts IO failures."""
         log.debug("tutti: dropping %d stores: %s", len(stores), why)
+        if skipped and not self._warned_skip:
+            self._warned_skip = True
+            log.warning("tutti: %d stores skipped (%s): the storage writes slower than prefill fills the staging; "
+                        "they are counted in stores_skipped (this is said once); a larger staging (staging_bytes, "
+                        "staging_slots, max_inflight_stores) only helps bursts", len(stores), why)
         with self.counters.lock:
             if skipped:
                 self.counters.add_locked(stores_skipped=len(stores))

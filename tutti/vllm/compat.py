@@ -107,6 +107,12 @@ def schedules_async(vllm_config: Any) -> bool:
     return bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
 
 
+def step_tokens(vllm_config: Any) -> int | None:
+    """vLLM's token budget of one step (max_num_batched_tokens), which sizes tutti's staging."""
+    v = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    return int(v) if isinstance(v, int) and v > 0 else None
+
+
 def current_forward_context() -> Any | None:
     """The forward context vLLM has set for this step, or None outside of one."""
     from vllm import forward_context as _fc

@@ -172,7 +172,8 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         try:
             self._worker = build_worker(self._extra, geom, caches=views, layout=layout,
                                         kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config),
-                                        async_loads=self._async_loads and not self._hybrid)
+                                        async_loads=self._async_loads and not self._hybrid,
+                                        step_tokens=compat.step_tokens(self._vllm_config))
         except Exception:
             compat.release_global_connector(self)  # the engine will not start: do not haunt the next one
             raise
