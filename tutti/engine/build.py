@@ -183,9 +183,6 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
             f"block_size={geom.block_size}; try {max(1, round(geom.chunk_tokens / geom.block_size)) * geom.block_size}"
         )
     num_slots = check_capacity(cfg, geom)
-    if cfg.lookahead != "auto" and cfg.lookahead > geom.num_layers:
-        raise ConfigError(f"lookahead={cfg.lookahead}: more layers read ahead than the model has "
-                          f"({geom.num_layers}); expected at most {geom.num_layers}, or \"auto\"")
     if cfg.staging_auto:
         return num_slots  # sized for this geometry by sized_staging (the worker's half)
     if geom.segment_bytes > cfg.staging_slot_bytes:
@@ -303,15 +300,17 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
     else:  # read the writer rank's namespace, under the writer rank's roots
         wcfg = EngineConfig.from_dict(raw_config, rank=rank - geom.tp_rank + geom.store_tp_rank)
         store_roots = list(wcfg.roots)
+        # readers never map: the writer creates slabs while serving, and mapping one then would
+        # register it with CUDA beside the step (a writer maps its own at start-up, map_all)
         store = ReplicaReader(list(wcfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes,
                               slots_per_slab=cfg.slots_per_slab, open_file=open_file, access=access,
-                           max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=cfg.writer_id)
+                              max_open_slabs=cfg.max_open_slabs, map_ram=False, writer_id=cfg.writer_id)
     from tutti.engine.sharing import FOREIGN_CAPACITY, ForeignStores
 
     fingerprint = geom.fingerprint()
     foreign = ForeignStores(lambda writer: ChunkStore(
         store_roots, fingerprint, capacity_bytes=FOREIGN_CAPACITY, writer=False, open_file=open_file, access=access,
-        max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=writer))
+        max_open_slabs=cfg.max_open_slabs, map_ram=False, writer_id=writer))  # the file path: see ReplicaReader
     try:
         return WorkerPipeline(cfg, caches=caches, layout=layout, store=store, io_queue=q, kernel=kernel,
                               checksum=segment_checksum, segment_bytes=geom.segment_bytes,

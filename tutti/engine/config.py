@@ -233,7 +233,7 @@ class EngineConfig:
         """This config with "auto" staging sized: slots of about 8 MiB (whole segments), room for
         the stores of two steps of `step_tokens` prefill tokens (one being gathered while the last
         is written: at the storage's own pace nothing is skipped), and load slots for four chunks
-        (at least 16). Capped at a quarter of host memory (pinned memory), logged when the cap
+        (at least 16, so the default lookahead fits any geometry). Capped at a quarter of host memory (pinned memory), logged when the cap
         cuts the stores' room."""
         if not self.staging_auto:
             return self
@@ -242,7 +242,7 @@ class EngineConfig:
         slot = segment_bytes * max(1, (8 << 20) // segment_bytes)
         step = step_tokens if step_tokens and step_tokens > 0 else 8192
         store_chunks = max(4, 2 * -(-step // self.chunk_tokens))
-        load_slots = max(16, -(-4 * chunk_bytes // slot), (self.lookahead if self.lookahead != "auto" else 0) + 2)
+        load_slots = max(16, -(-4 * chunk_bytes // slot))  # a lookahead past them is refused (validate)
         mem = host_memory_bytes() if memory_bytes is None else memory_bytes
         cap = mem // 4 if mem else None
         want = store_chunks

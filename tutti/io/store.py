@@ -528,8 +528,11 @@ class ChunkStore:
             return None
 
     def map_all(self) -> int:
-        """Map (and register) every slab file that exists now: a server's start-up, so that no
-        request pays for pinning pages. Returns the bytes mapped."""
+        """Map (and register) every slab file at a server's start-up, so that no request, and no
+        store while the server serves, pays for pinning pages (cudaHostRegister takes CUDA's
+        locks: beside the step it stalls it). A writer first creates every slab of its capacity
+        (sparse, as long as its slots): the whole capacity is then pinned RAM, as vLLM pins its CPU
+        tier. Returns the bytes mapped."""
         if self._maps is None:
             return 0
         with self._mutex:
@@ -537,10 +540,17 @@ class ChunkStore:
                 ns_fd = self._namespace_fd(r)
                 if ns_fd is None:
                     continue
-                for name in os.listdir(ns_fd):
-                    slab = _slab_sort_key(name)[0]  # -1: not a slab file
-                    if slab >= 0 and self._slab_length(r, slab) and self._maps.get((r, slab)) is None:
-                        self._map_slab(r, slab)
+                if self.writer:
+                    local_slots = (self.num_slots - r + len(self.roots) - 1) // len(self.roots)
+                    slabs = range(-(-local_slots // self.slots_per_slab))
+                else:
+                    slabs = sorted({_slab_sort_key(name)[0] for name in os.listdir(ns_fd)} - {-1})
+                for slab in slabs:
+                    if self._slab_length(r, slab) and self._maps.get((r, slab)) is None:
+                        if self.writer:
+                            self._slab_fd(r, slab)  # creates it (and maps it: _open_slab)
+                        if self._maps.get((r, slab)) is None:
+                            self._map_slab(r, slab)
             return self._maps.mapped_bytes
 
     @property

@@ -1,0 +1,303 @@
+"""A loaded `vllm serve` with and without tutti, under vLLM's own client (`vllm bench serve`).
+
+Each case starts vLLM's OpenAI server in its own process group (the engine core in its own
+process, vLLM's default mode), runs `vllm bench serve` against it, scrapes `/metrics` before and
+after, stops the server with SIGINT and prints one JSON line; the driver writes one table (JSON
+and Markdown) with every figure as a ratio to the no-connector case of the same run.
+
+Cases: `none` (no connector), `offloading` (vLLM's OffloadingConnector, a CPU tier of
+`--capacity`), `tutti_shm` (a /dev/shm root of the same capacity), `tutti_disk` (a disk root).
+Workloads: `prefix_repetition` (vLLM's dataset: prefixes repeated in shuffled order) and
+`multi_turn` (conversations whose every turn repeats the whole last turn and adds to it; turns
+issued in order, all conversations' first turns, then their second...).
+
+The model folder gets a generated word-level tokenizer whose words are short (vLLM refuses a
+prompt of more than about 6 characters a token before tokenizing it).
+
+    python3 bench/serve_workload.py --out /tmp/serve                      # the GPU: 8B KV geometry
+    python3 bench/serve_workload.py --out /tmp/serve --tiny               # the CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from vllm_ttft import make_model  # noqa: E402
+
+# counters scraped from /metrics (each summed over its label sets), before and after a run
+METRICS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:external_prefix_cache_hits",
+           "vllm:external_prefix_cache_queries", "vllm:tutti_hit_tokens", "vllm:tutti_queried_tokens",
+           "vllm:tutti_skipped_stores", "vllm:tutti_stored_chunks", "vllm:tutti_failed_loads",
+           "vllm:tutti_load_bytes", "vllm:tutti_load_seconds", "vllm:tutti_store_bytes", "vllm:tutti_store_seconds",
+           "vllm:kv_offload_total_bytes", "vllm:kv_offload_total_time", "vllm:num_preemptions")
+
+
+def short_word(i: int) -> str:
+    """Token i's word: base 36, at most 3 characters below 46656 (4 with the separating space)."""
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    s = ""
+    while True:
+        s = digits[i % 36] + s
+        i //= 36
+        if i == 0:
+            return "t" + s if s[0].isdigit() else s
+
+
+def write_tokenizer(model_dir: str, vocab: int, max_len: int) -> None:
+    """A word-level tokenizer with short words: ids 0..3 special, then one word per id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    words = specials + [short_word(i) for i in range(len(specials), vocab)]
+    assert len(set(words)) == len(words)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(specials)
+    tok.save(os.path.join(model_dir, "tokenizer.json"))
+    with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": max_len}, f)
+
+
+def prepare_model(a) -> str:
+    d = os.path.join(a.out, "model")
+    if a.tiny:
+        from tutti.demo import make_tiny_model
+
+        make_tiny_model(d, num_layers=4, vocab=a.vocab, max_position=a.max_len + 64)
+    else:
+        make_model(d, False, a.geometry)
+    write_tokenizer(d, a.vocab, a.max_len)
+    return d
+
+
+def multi_turn_dataset(path: str, a) -> int:
+    """`--conversations` conversations of `--turns` turns; turn t repeats turn t-1 whole and adds
+    `--turn-len` words (a user message after a stand-in for the model's answer)."""
+    rng = random.Random(7)
+    words = [short_word(i) for i in range(10, a.vocab - 10)]
+    convs = [[" ".join(rng.choice(words) for _ in range(a.prefix_len))] for _ in range(a.conversations)]
+    n = 0
+    with open(path, "w") as f:
+        for t in range(a.turns):
+            for c in convs:
+                if t:
+                    c.append(" ".join(rng.choice(words) for _ in range(a.turn_len)))
+                f.write(json.dumps({"prompt": " ".join(c), "output_tokens": a.output_len}) + "\n")
+                n += 1
+    return n
+
+
+def connector(case: str, a) -> dict | None:
+    if case == "none":
+        return None
+    if case == "offloading":
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": a.capacity_bytes}}
+    root = a.shm_root if case == "tutti_shm" else a.disk_root
+    extra = {"root": root, "capacity_bytes": a.capacity_bytes, "chunk_tokens": a.chunk_tokens, **json.loads(a.tutti_extra)}
+    return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(METRICS, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        base = name[:-6] if name.endswith("_total") else name
+        if base in out:
+            try:
+                out[base] += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return out
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"the server was not ready after {timeout:.0f} s")
+
+
+def server_cmd(a, model: str, kvt: dict | None) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(a.port),
+           "--host", "127.0.0.1", "--max-model-len", str(a.max_len), "--seed", "0", "--enable-prefix-caching"]
+    if a.tiny:
+        cmd += ["--dtype", "float32", "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens",
+                str(a.max_len)]
+    else:
+        cmd += ["--load-format", "dummy", "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(a.kv_cache_bytes)]
+    if kvt is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kvt)]
+    return cmd
+
+
+def bench_cmd(a, model: str, result_dir: str, dataset: str | None) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
+           "--base-url", f"http://127.0.0.1:{a.port}", "--model", model, "--tokenizer", model,
+           "--max-concurrency", str(a.concurrency), "--ignore-eos", "--save-result", "--result-dir", result_dir,
+           "--result-filename", "result.json", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99"]
+    if a.workload == "prefix_repetition":
+        cmd += ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(a.prefix_len),
+                "--prefix-repetition-suffix-len", str(a.suffix_len), "--prefix-repetition-num-prefixes",
+                str(a.num_prefixes), "--prefix-repetition-output-len", str(a.output_len),
+                "--num-prompts", str(a.num_prefixes * a.repeats)]
+    else:
+        cmd += ["--dataset-name", "custom", "--dataset-path", dataset, "--disable-shuffle", "--skip-chat-template",
+                "--num-prompts", str(a.conversations * a.turns)]
+    return cmd
+
+
+def run_case(case: str, a, model: str, dataset: str | None) -> dict:
+    for root in (a.shm_root, a.disk_root):
+        if case.startswith("tutti"):
+            shutil.rmtree(root, ignore_errors=True)
+    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
+    if a.tiny:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    log_path = os.path.join(a.out, f"server_{case}.log")
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(server_cmd(a, model, connector(case, a)), stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+    res: dict = {"case": case}
+    try:
+        wait_ready(a.port, proc, a.start_timeout)
+        res["start_s"] = round(time.time() - t0, 1)
+        before = scrape(a.port)
+        rdir = os.path.join(a.out, f"bench_{case}")
+        shutil.rmtree(rdir, ignore_errors=True)
+        b = subprocess.run(bench_cmd(a, model, rdir, dataset), capture_output=True, text=True, env=env,
+                           timeout=a.bench_timeout)
+        if b.returncode != 0:
+            raise RuntimeError(f"vllm bench serve exited {b.returncode}: {(b.stderr or b.stdout)[-2000:]}")
+        time.sleep(2)  # the last steps' counters reach /metrics
+        after = scrape(a.port)
+        with open(os.path.join(rdir, "result.json")) as f:
+            r = json.load(f)
+        res.update({k: r.get(k) for k in ("completed", "request_throughput", "output_throughput", "mean_ttft_ms",
+                                          "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
+                                          "mean_e2el_ms", "duration")})
+        res["metrics"] = {k: after[k] - before[k] for k in METRICS}
+    except Exception as exc:  # noqa: BLE001 - one case's failure is reported, the others still run
+        res["error"] = repr(exc)[-2000:]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    res["server_log_tail"] = [l.rstrip()[-300:] for l in open(log_path, errors="replace").readlines()
+                              if "tutti" in l or "Error" in l or "error" in l][-12:]
+    return res
+
+
+def table(results: list[dict]) -> str:
+    base = next((r for r in results if r["case"] == "none" and "error" not in r), None)
+    rows = ["| case | req/s | x none | TTFT mean / p50 / p99 (ms) | TPOT mean / p99 (ms) | hit tokens (connector) | "
+            "vLLM prefix-cache hits | stores skipped |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | |")
+            continue
+        m = r["metrics"]
+        ratio = f"{r['request_throughput'] / base['request_throughput']:.2f}" if base else "-"
+        hit = m["vllm:tutti_hit_tokens"] or m["vllm:external_prefix_cache_hits"]
+        rows.append(f"| {r['case']} | {r['request_throughput']:.2f} | {ratio} | {r['mean_ttft_ms']:.0f} / "
+                    f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
+                    f"{hit:.0f} | {m['vllm:prefix_cache_hits']:.0f} | "
+                    f"{m['vllm:tutti_skipped_stores']:.0f} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="/tmp/serve_workload")
+    ap.add_argument("--cases", default="none,offloading,tutti_shm,tutti_disk")
+    ap.add_argument("--workload", default="prefix_repetition", choices=["prefix_repetition", "multi_turn"])
+    ap.add_argument("--tiny", action="store_true", help="the CPU smoke run: a tiny seeded Llama, short prompts")
+    ap.add_argument("--geometry", default="8b", choices=["8b", "70b"])
+    ap.add_argument("--port", type=int, default=8100)
+    ap.add_argument("--capacity", default="32GiB", help="the store's and the CPU tier's capacity")
+    ap.add_argument("--kv-cache-bytes", type=int, default=8 << 30, help="vLLM's GPU KV cache (--kv-cache-memory-bytes)")
+    ap.add_argument("--shm-root", default="/dev/shm/tutti-serve")
+    ap.add_argument("--disk-root", default="/tmp/tutti-serve-disk")
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--tutti-extra", default="{}", help="more kv_connector_extra_config keys for tutti, as JSON")
+    ap.add_argument("--prefix-len", type=int, default=4096)
+    ap.add_argument("--suffix-len", type=int, default=128)
+    ap.add_argument("--num-prefixes", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-len", type=int, default=512)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--start-timeout", type=float, default=300)
+    ap.add_argument("--bench-timeout", type=float, default=900)
+    a = ap.parse_args()
+    if a.tiny:
+        for k, v in dict(prefix_len=256, suffix_len=32, num_prefixes=4, repeats=2, output_len=4, conversations=3,
+                         turns=2, turn_len=64, concurrency=2, capacity="256MiB", chunk_tokens=64).items():
+            if getattr(a, k) == ap.get_default(k):
+                setattr(a, k, v)
+    from tutti.engine.config import parse_bytes
+
+    a.capacity_bytes = parse_bytes("capacity", a.capacity)
+    a.vocab = 512 if a.tiny else 32000
+    if a.workload == "prefix_repetition":
+        a.max_len = a.prefix_len + a.suffix_len + a.output_len + 64
+    else:
+        a.max_len = a.prefix_len + (a.turns - 1) * a.turn_len + a.output_len + 64
+    os.makedirs(a.out, exist_ok=True)
+    model = prepare_model(a)
+    dataset = None
+    if a.workload == "multi_turn":
+        dataset = os.path.join(a.out, "multi_turn.jsonl")
+        multi_turn_dataset(dataset, a)
+    results = []
+    for case in a.cases.split(","):
+        r = run_case(case, a, model, dataset)
+        results.append(r)
+        print("SERVE " + json.dumps({k: v for k, v in r.items() if k != "server_log_tail"}), flush=True)
+    md = table(results)
+    with open(os.path.join(a.out, f"serve_{a.workload}.json"), "w") as f:
+        json.dump({"args": {k: v for k, v in vars(a).items()}, "results": results}, f, indent=1)
+    with open(os.path.join(a.out, f"serve_{a.workload}.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
