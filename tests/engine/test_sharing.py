@@ -145,3 +145,39 @@ def test_the_only_writer_and_named_writers_read_each_other(tmp_path):
         assert hit == T and failed == set()
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("damage", ["sps=0", "sps=null", "sps='64'", "sps=[]", "journal hard link"])
+def test_another_writers_damaged_files_fail_its_chunks_never_the_step(tmp_path, damage):
+    """Everything read from another writer's files is hostile input (hardening round two, items
+    2 and 5): a manifest whose slots_per_slab is 0, null, a string or a list, or a journal that
+    gained a hard link (refused as unsafe), fails that writer's chunks (vLLM recomputes them) and
+    never raises out of the step."""
+    import json
+    import os
+
+    a, b = Server(tmp_path, "a", 0), Server(tmp_path, "b", 1)
+    try:
+        p = prompt(3, 2)
+        _, _, plan = a.request("r1", p, list(range(0, 2 * BPC + 1)))
+        assert wait_for(lambda: all(k in b.planner.foreign for k in (st.key for st in plan.stores)))
+        wdir = next(d for d in tmp_path.rglob("w-a") if d.is_dir())
+        if damage.startswith("sps="):
+            m = json.loads((wdir / "manifest.json").read_text())
+            m["slots_per_slab"] = json.loads(damage[4:].replace("'", '"'))
+            (wdir / "manifest.json").write_text(json.dumps(m))
+        else:
+            # b reads a's journal once first (so its follow view exists), then the journal is linked
+            hit, failed, _ = b.request("warm", p, list(range(10, 10 + 2 * BPC + 1)))
+            assert hit == 2 * T and failed == set()
+            os.link(wdir / "journal.bin", tmp_path / "journal-link")
+            with open(wdir / "journal.bin", "ab") as f:
+                f.write(b"")  # same size: b's follow view notices the link on its next stat
+            os.utime(wdir / "journal.bin", ns=(1, 1))
+        hit, failed, plan_b = b.request("r2", p, list(range(10, 10 + 2 * BPC + 1)))
+        if hit:  # planned from a's chunks: each fails, nothing raised
+            assert {ld.source for ld in plan_b.loads} == {"a"}
+            assert failed == set(range(10, 10 + 2 * BPC))
+    finally:
+        a.close()
+        b.close()

@@ -84,14 +84,17 @@ class LoadPipeline:
         self._next_submit = self._next_process = 0
         self._layer_events = {}
         self._mapped_ready, self._mapped_pending = None, False
+        bad_writers: dict[str, Exception] = {}
         if loads:
             self.journal.new_step()
             if self.foreign is not None:
-                self.foreign.new_step({ld.source for ld in loads if ld.source is not None})
+                bad_writers = self.foreign.new_step({ld.source for ld in loads if ld.source is not None})
         for ld in loads:
             try:
+                if ld.source in bad_writers:
+                    raise bad_writers[ld.source]
                 sums = self._source(ld)[1].checksums(ld.slot, ld.key)
-            except (OSError, ValueError, RuntimeError) as exc:  # another writer's files, refused or gone
+            except Exception as exc:  # noqa: BLE001 - another writer's files, refused, gone or damaged
                 self._fail(ld, f"writer {ld.source!r} cannot be read: {exc}")
                 continue
             if sums is None or len(sums) != ctx.num_layers:
@@ -137,8 +140,8 @@ class LoadPipeline:
         for ld in self._loads:
             try:
                 views.append(self._source(ld)[0].mapped(ld.slot, 0, cb))
-            except (OSError, ValueError, RuntimeError):
-                views.append(None)  # the file path reports what is wrong
+            except Exception:  # noqa: BLE001 - the file path reports what is wrong
+                views.append(None)
         order = [i for i, v in enumerate(views) if v is not None]
         if not order:
             return 0
@@ -326,7 +329,7 @@ class LoadPipeline:
                 try:
                     store = self._source(ld)[0]
                     fd, off = store.acquire(ld.slot, item.layer)
-                except (OSError, ValueError, RuntimeError) as exc:  # a slab missing, refused, no fd left...
+                except Exception as exc:  # noqa: BLE001 - a slab missing, refused, damaged, no fd left...
                     self._fail(ld, f"cannot open its slab: {exc}")  # that chunk's blocks, never the step
                     continue
                 item.pinned.append((store, ld.slot))
@@ -340,8 +343,8 @@ class LoadPipeline:
     def _mapped(self, ld: LoadChunk, layer: int) -> torch.Tensor | None:
         try:
             return self._source(ld)[0].mapped(ld.slot, layer)
-        except (OSError, ValueError, RuntimeError):
-            return None  # the file path reports what is wrong
+        except Exception:  # noqa: BLE001 - the file path reports what is wrong
+            return None
 
     def _copy_mapped(self, slot: StagingSlot, i: int, src: torch.Tensor) -> None:
         seg = self.ctx.seg

@@ -145,11 +145,18 @@ class ForeignStores:
                     got = self._stores[writer] = (store, JournalView(store, follows_writer=True))
         return got
 
-    def new_step(self, writers: set[str]) -> None:
-        """A step loads from these writers: catch up with their journals (only what grew)."""
+    def new_step(self, writers: set[str]) -> dict[str, Exception]:
+        """A step loads from these writers: catch up with their journals (only what grew).
+        Returns the writers whose files failed (refused, gone, damaged): their chunks fail this
+        step, never the step itself."""
+        bad: dict[str, Exception] = {}
         for w in writers:
             if w in self._stores:
-                self._stores[w][1].new_step()
+                try:
+                    self._stores[w][1].new_step()
+                except Exception as exc:  # noqa: BLE001 - another writer's files are hostile input
+                    bad[w] = exc
+        return bad
 
     def close(self) -> None:
         for store, _ in self._stores.values():

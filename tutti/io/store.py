@@ -368,6 +368,12 @@ class ChunkStore:
         for i, ns in enumerate(self.namespaces):
             has = present[i] and _exists(MANIFEST, self._ns_fds[i])
             manifests.append(_read_manifest(ns, self._ns_fds[i]) if has else None)
+        for i, m in enumerate(manifests):  # another writer's file: checked before anything divides by it
+            v = None if m is None else m.get("slots_per_slab")
+            if m is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20):
+                raise ManifestMismatchError(
+                    f"manifest {os.path.join(self.namespaces[i], MANIFEST)!r}: slots_per_slab={v!r}, expected an "
+                    f"integer in [1, {1 << 20}]; it was edited or damaged: move {self.namespaces[i]!r} aside")
         stored_sps = {m.get("slots_per_slab") for m in manifests if m is not None}
         if len(stored_sps) > 1:
             raise ManifestMismatchError(f"namespaces {self.namespaces}: manifests disagree on slots_per_slab ({sorted(map(str, stored_sps))}); they were not written by one store")
