@@ -197,3 +197,23 @@ def test_share_group_gives_a_shared_access():
     cfg = EngineConfig.from_dict(base(share_group=grp.getgrgid(os.getegid()).gr_name, secret_env="X"))
     assert store_access(cfg) == Access(os.getegid()) and store_access(cfg).dir_mode == 0o2770
     assert store_access(EngineConfig.from_dict(base())) is PRIVATE
+
+
+def test_checksums_off_is_refused_where_writers_share_a_root():
+    """Another writer's eviction between a reader's journal check and its reads would serve
+    another prompt's KV that only the checksum tells apart (hardening round two, item 7)."""
+    with pytest.raises(ValueError, match=r"verify_checksums=False: refused with writer_id='a'"):
+        EngineConfig.from_dict(base(verify_checksums=False, writer_id="a"))
+    assert not EngineConfig.from_dict(base(verify_checksums=False)).verify_checksums
+
+
+def test_context_parallelism_is_refused_by_name():
+    """Each context-parallel rank holds another shard of the tokens (item 10): refused at start."""
+    from types import SimpleNamespace
+
+    from tutti.vllm import compat
+
+    compat.check_context_parallel(SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        with pytest.raises(ValueError, match=f"{name}=2: context parallelism is not supported"):
+            compat.check_context_parallel(SimpleNamespace(**{name: 2}))

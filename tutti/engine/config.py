@@ -369,6 +369,11 @@ class EngineConfig:
                     "(secret_file or secret_env) known to every sharing server, so that no group member can forge "
                     "KV for another; add one, or drop share_group")
             kw["share_group"] = str(v)
+        if kw.get("verify_checksums") is False and kw.get("writer_id"):
+            raise ConfigError(
+                f"verify_checksums=False: refused with writer_id={kw['writer_id']!r}: another writer may evict and "
+                "rewrite a slot between a reader's journal check and its reads, and only the checksum tells the "
+                "other prompt's KV apart; keep verify_checksums on where several servers share a root")
         cfg = cls(**kw)
         cfg.validate()
         return cfg

@@ -247,8 +247,21 @@ def model_identity(vllm_config: Any) -> str:
     return h.hexdigest()[:16]
 
 
+def check_context_parallel(parallel_config: Any) -> None:
+    """Context parallelism is refused: with decode or prefill context parallel sizes above 1 each
+    rank holds another shard of a request's tokens, which tutti's chunks (a rank's whole KV of
+    `chunk_tokens` consecutive tokens) do not describe; serving one rank's shard to another would
+    be wrong KV."""
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        v = int(getattr(parallel_config, name, 1) or 1)
+        if v > 1:
+            raise ValueError(f"TuttiConnectorV1: {name}={v}: context parallelism is not supported (each rank holds "
+                             f"a different shard of the tokens); serve with {name}=1, or without the connector")
+
+
 def geometry(vllm_config: Any, chunk_tokens: int) -> Geometry:
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    check_context_parallel(pc)
     dtype_name, es = _dtype_of(vllm_config)
     head = mc.get_head_size()
     mla = bool(getattr(mc, "use_mla", False))
