@@ -584,3 +584,33 @@ def test_async_loads_are_bit_exact_and_fail_block_by_block(tmp_path, mapped):
 def test_async_loads_need_two_load_slots(tmp_path):
     with pytest.raises(ValueError, match="async_loads: needs at least 2 load staging slots"):
         worker(tmp_path, make_caches(0), staging_slots=9, max_inflight_stores=8, async_loads=True)
+
+
+def test_a_mapped_slab_that_shrank_is_never_touched(tmp_path):
+    """Hardening round two, item 4: a slab file truncated under its mapping (a restore, `: >
+    slab-0.bin`) would fault (SIGBUS) the server at the next load through the mapping; the load
+    goes to the file path instead, which reads short and fails the chunk (vLLM recomputes)."""
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(0, [0, 1]), (1, [2, 3])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, mapped_loads=True)
+    w.warm_up()  # maps every slab, as the connector does at start
+    assert w.store.maps_ram and w.mapped_bytes > 0
+    slab = next(tmp_path.rglob("slab-*.bin"))
+    os.truncate(slab, geometry().slot_bytes + geometry().segment_bytes)  # slot 1 cut in its layer 1
+    assert w.store.mapped(1, 1) is None and w.store.mapped(0, 0) is not None
+    loads = [LoadChunk("q", bytes([0]) * 32, 0, (8, 9)), LoadChunk("q", bytes([1]) * 32, 1, (10, 11))]
+    run_step(w, StepPlan(2, loads=loads))
+    assert w.take_failed_blocks() == {10, 11}
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9]], s[[0, 1]])
+    w.close()
+
+
+def test_a_secret_turns_mapped_loads_off(tmp_path, monkeypatch):
+    """Item 3: with keyed tags, a tag checked over the mapping and a DMA copying it later read the
+    bytes twice; the file path verifies the very copy that goes to the GPU."""
+    monkeypatch.setenv("TUTTI_TEST_SECRET", "s" * 32)
+    w = worker(tmp_path, make_caches(0), mapped_loads=True, secret_env="TUTTI_TEST_SECRET")
+    assert not w.store.maps_ram
+    w.close()

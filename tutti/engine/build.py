@@ -289,8 +289,11 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
         backend = "threads"
     q = open_queue(backend, **cfg.io_options)
     access = store_access(cfg)
-    maps = cfg.mapped_loads is True or (cfg.mapped_loads == "auto" and not access.shared
-                                        and all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots))
+    # Never with a secret: a keyed tag checked on the host over the mapping and a DMA that copies
+    # the mapping later read the bytes twice, and an owner's rewrite in between would be served
+    # unverified; the file path checks the staged copy that then goes to the GPU.
+    maps = mac is None and (cfg.mapped_loads is True or (cfg.mapped_loads == "auto" and not access.shared
+                                                         and all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots)))
     open_file = lambda name, w, dir_fd: q.open_file(name, write=w, create=w, dir_fd=dir_fd)  # noqa: E731
     if geom.writes:
         store = ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
