@@ -102,9 +102,41 @@ def render(rows: list[dict], *, env: str = "") -> str:
     summary = ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items()))
     out.append(f"| **Total** | {len(rows)} tests | {summary} | {tot['requests']} | {tot['faults']} | "
                f"{tot['bad_inputs']} | {tot['bytes_lost']} | | | {tot['seconds']:.0f} |")
-    out += ["", f"Last full run: {env}" if env else "", "", *LIMITS, ""]
+    out += ["", f"Last full run: {env}" if env else "", "", *ROUND_TWO, "", *LIMITS, ""]
     return "\n".join(out)
 
+
+#: The second audit's findings (#28), each with the test that fails without its fix, or the reason it is open.
+ROUND_TWO = [
+    "## Hardening, round two (findings of the audit of sharing, mapped slabs and the tier)",
+    "",
+    "| # | Finding | Status | Test (fails without the fix) |",
+    "|---|---|---|---|",
+    "| 1 | keyed tags do not bind the TP/PP rank: a group member can copy rank 1's files into rank 0's "
+    "namespace | open: the tag format (and its integrity name) must change with it; not done this round | - |",
+    "| 2 | another writer's manifest `slots_per_slab` 0/null/'64'/[] crashed the reader's step | fixed: validated "
+    "on read, any failure of another writer's files fails that writer's chunks | "
+    "tests/engine/test_sharing.py::test_another_writers_damaged_files_fail_its_chunks_never_the_step |",
+    "| 2b | a member can hold `flock` on another member's group-writable LOCK or overwrite its manifest | open | - |",
+    "| 3 | mapped loads with a secret checked one read and copied another | fixed: no mapped loads with a secret "
+    "(the file path verifies the staged copy the GPU receives) | tests/engine/test_worker.py::test_a_secret_turns_mapped_loads_off |",
+    "| 4 | SIGBUS: a slab truncated under its mapping | fixed for our own slabs (fstat before every mapped view: "
+    "the file path fails the chunk); other writers' and readers' slabs are no longer mapped at all | "
+    "tests/engine/test_worker.py::test_a_mapped_slab_that_shrank_is_never_touched |",
+    "| 5 | a refused foreign journal raised out of `start_step` | fixed: per-writer failures in the step's refresh "
+    "fail that writer's chunks | tests/engine/test_sharing.py (the `journal hard link` case) |",
+    "| 6 | the tier's namespace misses the weights' identity, CP sizes, layer names, layout | open | - |",
+    "| 7 | `verify_checksums: false` with `writer_id` | fixed: refused at start, naming both | "
+    "tests/engine/test_config.py::test_checksums_off_is_refused_where_writers_share_a_root |",
+    "| 8 | the layer-wise checksum's blind spots | open: needs a GPU-speed replacement measured on the H200 | - |",
+    "| 9 | small items (stale tier slot, inode reuse, moved writer dirs, `{host}` cut, follow cost, list "
+    "io_backend, NUL in share_group) | open | - |",
+    "| 10 | context parallelism (DCP/PCP > 1) | refused at start, naming the size (not in the fingerprint: "
+    "nothing with them can start) | tests/engine/test_config.py::test_context_parallelism_is_refused_by_name |",
+    "| - | a load failing its checksum under vLLM's asynchronous scheduler gave wrong tokens (#25) | fixed: "
+    "`async_loads` (auto there) | tests/vllm/test_connector.py::test_corrupt_chunk_is_recomputed_and_counted[async]; "
+    "on the GPU: docs/results/kv_proof.md |",
+]
 
 #: What the suite does not prove, stated next to what it does.
 LIMITS = [
