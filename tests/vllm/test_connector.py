@@ -135,6 +135,8 @@ def test_corrupt_chunk_is_recomputed_and_counted(tiny_model, tmp_path, reference
     res, stats = child_run(tiny_model, kvt, [p])
     assert stats["loads_failed"] == 1 and stats["hit_tokens"] == 4 * CHUNK
     assert res[0]["tokens"] == want
+    if async_loads:
+        return  # what follows is the journal's, the same for both (layer-wise below)
     # the corrupt chunk was journaled as free: a restarted server no longer hits on it, and the
     # prefix chain stops there (chunk 0), so the whole prompt is recomputed and stored again
     res, stats = child_run(tiny_model, kvt, [p])

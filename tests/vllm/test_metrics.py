@@ -205,7 +205,42 @@ def _metric(text: str, name: str) -> float:
     return sum(vals)
 
 
+def _start_server(cmd, env, log_path):
+    """A server process group, once /health answers (fails the test with its log otherwise)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                start_new_session=True)
+    port = cmd[cmd.index("--port") + 1]
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited rc={proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            _stop_server(proc)
+            pytest.fail(f"server not up in 120 s:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.5)
+
+
+def _stop_server(proc):
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
 def test_metrics_and_startup_line_on_a_running_vllm_server(tiny_model, tmp_path):
+    """vLLM's OpenAI server started as the README says (`tutti serve`, the engine core in its own
+    process), completions over HTTP with token-id prompts; then the server is stopped and a new
+    one started over the same root: it hits what the first stored, with the same text. The tiny
+    model's seeded weights make the text depend on the KV cache."""
     port = _free_port()
     kvt = {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -216,29 +251,14 @@ def test_metrics_and_startup_line_on_a_running_vllm_server(tiny_model, tmp_path)
     env["VLLM_LOGGING_LEVEL"] = "INFO"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     # vLLM's own prefix cache off: the second request's prefix must come from tutti
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
-           "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy", "--block-size", "32",
+    cmd = [sys.executable, "-m", "tutti", "serve", str(tiny_model),
+           "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
            "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
            "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kvt)]
     log_path = tmp_path / "server.log"
     base = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                start_new_session=True)
+    proc = _start_server(cmd, env, log_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited rc={proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not up in 120 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
         rng = random.Random(7)
         shared = [rng.randrange(4, 500) for _ in range(300)]  # 4 whole chunks of 64 tokens
         body = {"model": str(tiny_model), "prompt": shared, "max_tokens": 4, "temperature": 0.0}
@@ -256,12 +276,16 @@ def test_metrics_and_startup_line_on_a_running_vllm_server(tiny_model, tmp_path)
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
         text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        _stop_server(proc)
+    restarted_log = tmp_path / "server2.log"
+    proc = _start_server(cmd, env, restarted_log)
+    try:
+        third = _post(base + "/v1/completions", body)
+        restarted = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    finally:
+        _stop_server(proc)
+    assert third["choices"][0]["text"] == first["choices"][0]["text"]
+    assert _metric(restarted, "vllm:tutti_hit_tokens_total") == 4 * 64  # the restarted server's own count
     seg = 64 * 2 * 2 * 64 * 4  # tokens x KV heads x (K|V) x head_dim x fp32
     assert _metric(text, "vllm:tutti_store_bytes_total") >= 4 * 2 * seg  # 4 chunks x 2 layers
     assert _metric(text, "vllm:tutti_hit_tokens_total") == 4 * 64
