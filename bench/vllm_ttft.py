@@ -68,6 +68,23 @@ def prompt(seed: int, n: int, vocab: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- one case
+def run_joining(eng, requests: dict[str, tuple[list[int], int]], join: dict[str, int], sampling) -> dict[str, dict]:
+    """Step an engine (`LLM.llm_engine`) with `requests` (id -> (token ids, max tokens)), each
+    added at step 0 or at the step `join` names (a request joining a running decode batch);
+    returns each one's tokens and cached tokens once all finished."""
+    out: dict[str, dict] = {}
+    step, pending = 0, dict(requests)
+    while pending or eng.has_unfinished_requests():
+        for rid in [r for r in pending if join.get(r, 0) <= step]:
+            ids, n = pending.pop(rid)
+            eng.add_request(rid, {"prompt_token_ids": ids}, sampling(n))
+        for o in eng.step():
+            if o.finished:
+                out[o.request_id] = {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
+        step += 1
+    return out
+
+
 def connector_config(case: str, a) -> dict | None:
     if case.startswith("recompute"):
         return None

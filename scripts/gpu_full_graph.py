@@ -21,7 +21,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
-from vllm_ttft import prompt  # noqa: E402
+from vllm_ttft import prompt, run_joining  # noqa: E402
 
 CHUNK = 256
 
@@ -73,19 +73,7 @@ def run_case(case: str, model: str, root: str) -> dict:
     settle()
 
     def run(requests: dict[str, tuple[list[int], int]], join: dict[str, int]) -> dict[str, dict]:
-        """Add `requests` at step 0, or at the step `join` names; step until all finished."""
-        out: dict[str, dict] = {}
-        step = 0
-        pending = dict(requests)
-        while pending or eng.has_unfinished_requests():
-            for rid in [r for r in pending if join.get(r, 0) <= step]:
-                ids, n = pending.pop(rid)
-                eng.add_request(rid, {"prompt_token_ids": ids}, greedy(n))
-            for o in eng.step():
-                if o.finished:
-                    out[o.request_id] = {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
-            step += 1
-        return out
+        return run_joining(eng, requests, join, greedy)
 
     before = dict(worker.whole_steps) if worker else {}
     # 1) six requests decoding; at step 4 the hit joins them as a one-token step (FULL graph)

@@ -36,7 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from vllm_ttft import make_model, prompt  # noqa: E402
+from vllm_ttft import make_model, prompt, run_joining  # noqa: E402
 
 CHUNK = 256
 # name: (tutti keys, vLLM engine keys). async_loads "auto" loads asynchronously where vLLM
@@ -385,18 +385,9 @@ def run_case(case: str, a) -> dict:
     n0 = a.lengths[0]
     p_join = prompts[n0] + [7]
     fresh(77)
-    res, step, pending = {}, 0, {f"d{i}": (prompt(100 + i, 100, a.vocab), 48) for i in range(6)}
-    pending["hit"] = (p_join, 16)
-    while pending or eng.has_unfinished_requests():
-        for rid in [r for r in pending if r != "hit" or step >= 4]:
-            ids, m = pending.pop(rid)
-            eng.add_request(rid, {"prompt_token_ids": ids}, greedy(m))
-        for o in eng.step():
-            if o.finished:
-                res[o.request_id] = {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
-        step += 1
-        if step > 2000:
-            break
+    reqs = {f"d{i}": (prompt(100 + i, 100, a.vocab), 48) for i in range(6)}
+    reqs["hit"] = (p_join, 16)
+    res = run_joining(eng, reqs, {"hit": 4}, greedy)
     out["full_graph_join"] = {"tokens_equal": res.get("hit", {}).get("tokens") == ref_join,
                               "cached": res.get("hit", {}).get("cached"), "blocks": rpc(rpc_compare)}
 

@@ -74,6 +74,8 @@ class AsyncLoads:
                 log.exception("tutti: asynchronous loads of step %d failed", step)
                 failed = {ld.key for ld in loads}
                 ctx = self.pipeline.ctx
+                if ctx.cuda:  # no scatter of theirs may land after vLLM recomputes the blocks (this thread waits)
+                    torch.cuda.synchronize(ctx.device)
                 blocks = {b for ld in loads for b in ctx.written_blocks(ld.block_ids, ld.skip_blocks)}
             reqs = {ld.req_id for ld in loads}
             bad = {ld.req_id for ld in loads if ld.key in failed}
