@@ -45,14 +45,18 @@ METRICS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:external
 
 
 def short_word(i: int) -> str:
-    """Token i's word: base 36, at most 3 characters below 46656 (4 with the separating space)."""
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    s = ""
-    while True:
-        s = digits[i % 36] + s
-        i //= 36
-        if i == 0:
-            return "t" + s if s[0].isdigit() else s
+    """Token i's word: a letter, then base-36 digits; every id below 34658 gets a distinct word of
+    at most 3 characters (4 with the separating space)."""
+    letters, digits = "abcdefghijklmnopqrstuvwxyz", "0123456789abcdefghijklmnopqrstuvwxyz"
+    n = 0
+    while i >= 26 * 36 ** n:  # words of n + 1 characters: 26 x 36^n of them
+        i -= 26 * 36 ** n
+        n += 1
+    tail = ""
+    for _ in range(n):
+        i, d = divmod(i, 36)
+        tail = digits[d] + tail
+    return letters[i] + tail
 
 
 def write_tokenizer(model_dir: str, vocab: int, max_len: int) -> None:
@@ -115,7 +119,11 @@ def connector(case: str, a) -> dict | None:
 
 def scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+        return parse_metrics(r.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """METRICS from Prometheus text, each summed over its label sets (`_total` or not)."""
     out = dict.fromkeys(METRICS, 0.0)
     for line in text.splitlines():
         if line.startswith("#") or " " not in line:

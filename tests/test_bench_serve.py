@@ -1,0 +1,31 @@
+"""bench/serve_workload.py's pieces that need no server: the short-word tokenizer (vLLM refuses
+prompts of more than about 6 characters a token) and the /metrics parser."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import serve_workload as sw  # noqa: E402
+
+
+def test_short_words_are_unique_and_at_most_three_characters():
+    words = [sw.short_word(i) for i in range(4, 32000)]
+    assert len(set(words)) == len(words)
+    assert max(map(len, words)) <= 3 and all(w.isalnum() for w in words)
+
+
+def test_metrics_are_summed_over_label_sets():
+    text = "\n".join([
+        "# HELP vllm:tutti_hit_tokens_total tokens",
+        'vllm:tutti_hit_tokens_total{engine="0",model_name="m"} 256.0',
+        'vllm:tutti_hit_tokens_total{engine="1",model_name="m"} 64.0',
+        'vllm:tutti_hit_tokens_created{engine="0"} 1.7e9',
+        'vllm:prefix_cache_hits_total{engine="0"} 32',
+        "vllm:tutti_skipped_stores_total 3",
+    ])
+    m = sw.parse_metrics(text)
+    assert m["vllm:tutti_hit_tokens"] == 320 and m["vllm:prefix_cache_hits"] == 32
+    assert m["vllm:tutti_skipped_stores"] == 3 and m["vllm:external_prefix_cache_hits"] == 0
