@@ -614,3 +614,21 @@ def test_a_secret_turns_mapped_loads_off(tmp_path, monkeypatch):
     w = worker(tmp_path, make_caches(0), mapped_loads=True, secret_env="TUTTI_TEST_SECRET")
     assert not w.store.maps_ram
     w.close()
+
+
+def test_a_capacity_the_file_system_cannot_hold_is_not_pinned_at_start(tmp_path, monkeypatch):
+    """A writer maps (and on CUDA pins) its whole capacity at start-up only where the file system
+    can hold it: pinning pages past a tmpfs's size would fault the server. Otherwise the slabs
+    that exist are mapped and the rest as they are created."""
+    from tutti.io import store as store_mod
+
+    monkeypatch.setattr(store_mod, "_free_bytes", lambda fd: geometry().slot_bytes)  # room for one slot
+    w = worker(tmp_path, make_caches(1), mapped_loads=True, slots_per_slab=8)
+    w.warm_up()
+    assert len(w.store._maps) == 0 and not list(tmp_path.rglob("slab-*.bin"))  # none created ahead
+    w.close()
+    monkeypatch.setattr(store_mod, "_free_bytes", lambda fd: 1 << 40)
+    w = worker(tmp_path, make_caches(1), mapped_loads=True, slots_per_slab=8)
+    w.warm_up()
+    assert len(w.store._maps) == 8 and len(list(tmp_path.rglob("slab-*.bin"))) == 8  # 64 slots / 8
+    w.close()

@@ -551,8 +551,16 @@ class ChunkStore:
                 ns_fd = self._namespace_fd(r)
                 if ns_fd is None:
                     continue
-                if self.writer:
-                    local_slots = (self.num_slots - r + len(self.roots) - 1) // len(self.roots)
+                local_slots = (self.num_slots - r + len(self.roots) - 1) // len(self.roots)
+                free = _free_bytes(ns_fd)
+                if self.writer and free is not None and free < local_slots * self.slot_bytes:
+                    # pinning the pages of a capacity the file system cannot hold would fault the
+                    # server (SIGBUS past a tmpfs's size): map what exists, the rest when created
+                    log_once(f"tutti: root {self.roots[r]!r} has {free} B free for a capacity of "
+                             f"{local_slots * self.slot_bytes} B: slabs are mapped as they are created, "
+                             "which registers them with CUDA while serving; lower capacity_bytes to the "
+                             "file system's free space to map them all at start-up")
+                if self.writer and (free is None or free >= local_slots * self.slot_bytes):
                     slabs = range(-(-local_slots // self.slots_per_slab))
                 else:
                     slabs = sorted({_slab_sort_key(name)[0] for name in os.listdir(ns_fd)} - {-1})
@@ -883,6 +891,15 @@ def _exists(name: str, dir_fd: int | None) -> bool:
 
 
 _MAX_MANIFEST = 1 << 20
+
+
+def _free_bytes(dir_fd: int) -> int | None:
+    """Bytes an unprivileged writer may still allocate under `dir_fd`'s file system (None: unknown)."""
+    try:
+        st = os.fstatvfs(dir_fd)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _read_manifest(ns: str, dir_fd: int | None = None) -> dict:
