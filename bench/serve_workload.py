@@ -1,9 +1,11 @@
 """A loaded `vllm serve` with and without tutti, under vLLM's own client (`vllm bench serve`).
 
-Each case starts vLLM's OpenAI server in its own process group (the engine core in its own
-process, vLLM's default mode), runs `vllm bench serve` against it, scrapes `/metrics` before and
-after, stops the server with SIGINT and prints one JSON line; the driver writes one table (JSON
-and Markdown) with every figure as a ratio to the no-connector case of the same run.
+Each case gets vLLM's OpenAI server in its own process group and on its own port (the engine
+core in its own process, vLLM's default mode). The servers start together (an 8B-sized start
+takes about two minutes in default mode), then each case in turn runs `vllm bench serve` against
+its server alone, with `/metrics` scraped before and after, and prints one JSON line; the driver
+writes one table (JSON and Markdown) with every figure as a ratio to the no-connector case of the
+same run. `--sequential` starts each server only after the last one stopped.
 
 Cases: `none` (no connector), `offloading` (vLLM's OffloadingConnector, a CPU tier of
 `--capacity`), `tutti_shm` (a /dev/shm root of the same capacity), `tutti_disk` (a disk root).
@@ -33,7 +35,7 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, ROOT]
 from vllm_ttft import make_model  # noqa: E402
 
 # counters scraped from /metrics (each summed over its label sets), before and after a run
@@ -151,15 +153,16 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"the server was not ready after {timeout:.0f} s")
 
 
-def server_cmd(a, model: str, kvt: dict | None) -> list[str]:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(a.port),
+def server_cmd(a, model: str, kvt: dict | None, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
            "--host", "127.0.0.1", "--max-model-len", str(a.max_len), "--seed", "0", "--enable-prefix-caching"]
     if a.tiny:
         # vLLM's own cache held to 32 blocks (1024 tokens) so that repeats miss it, as --kv-cache-bytes does on the GPU
         cmd += ["--dtype", "float32", "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens",
                 str(a.max_len), "--num-gpu-blocks-override", "32"]
     else:
-        cmd += ["--load-format", "dummy", "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(a.kv_cache_bytes)]
+        cmd += ["--load-format", "dummy", "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(a.kv_cache_bytes),
+                "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
     if kvt is not None:
         cmd += ["--kv-transfer-config", json.dumps(kvt)]
     return cmd
@@ -183,9 +186,9 @@ main(p.parse_args(sys.argv[1:]))
 """
 
 
-def bench_cmd(a, model: str, result_dir: str, dataset: str | None) -> list[str]:
+def bench_cmd(a, model: str, result_dir: str, dataset: str | None, port: int) -> list[str]:
     cmd = [sys.executable, "-c", BENCH_SERVE, "--backend", "vllm",
-           "--base-url", f"http://127.0.0.1:{a.port}", "--model", model, "--tokenizer", model,
+           "--base-url", f"http://127.0.0.1:{port}", "--model", model, "--tokenizer", model,
            "--max-concurrency", str(a.concurrency), "--ignore-eos", "--save-result", "--result-dir", result_dir,
            "--result-filename", "result.json", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99"]
@@ -200,33 +203,64 @@ def bench_cmd(a, model: str, result_dir: str, dataset: str | None) -> list[str]:
     return cmd
 
 
-def run_case(case: str, a, model: str, dataset: str | None) -> dict:
-    for root in (a.shm_root, a.disk_root):
-        if case.startswith("tutti"):
-            shutil.rmtree(root, ignore_errors=True)
+def server_env(a) -> dict:
     env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
     if a.tiny:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    log_path = os.path.join(a.out, f"server_{case}.log")
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_cmd(a, model, connector(case, a)), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-    res: dict = {"case": case}
+    return env
+
+
+class Server:
+    """One case's OpenAI server, in its own process group, on its own port."""
+
+    def __init__(self, case: str, a, model: str, port: int) -> None:
+        self.case, self.port = case, port
+        if case.startswith("tutti"):
+            shutil.rmtree(a.shm_root if case == "tutti_shm" else a.disk_root, ignore_errors=True)
+        self.log_path = os.path.join(a.out, f"server_{case}.log")
+        self.t0 = time.time()
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(server_cmd(a, model, connector(case, a), port), stdout=log,
+                                         stderr=subprocess.STDOUT, env=server_env(a), start_new_session=True)
+        self.start_s: float | None = None
+
+    def wait_ready(self, timeout: float) -> None:
+        wait_ready(self.port, self.proc, timeout - (time.time() - self.t0))
+        self.start_s = round(time.time() - self.t0, 1)
+
+    def stop(self) -> None:
+        """SIGINT, then SIGKILL after a short grace: each case's root is its own and thrown away."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            self.proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def log_tail(self) -> list[str]:
+        return [l.rstrip()[-400:] for l in open(self.log_path, errors="replace").readlines()
+                if "tutti" in l or "Error" in l or "error" in l][-12:]
+
+
+def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
+    res: dict = {"case": srv.case}
     try:
-        wait_ready(a.port, proc, a.start_timeout)
-        res["start_s"] = round(time.time() - t0, 1)
-        before = scrape(a.port)
-        rdir = os.path.join(a.out, f"bench_{case}")
+        srv.wait_ready(a.start_timeout)
+        res["start_s"] = srv.start_s
+        before = scrape(srv.port)
+        rdir = os.path.join(a.out, f"bench_{srv.case}")
         shutil.rmtree(rdir, ignore_errors=True)
-        b = subprocess.run(bench_cmd(a, model, rdir, dataset), capture_output=True, text=True, env=env,
-                           timeout=a.bench_timeout)
+        b = subprocess.run(bench_cmd(a, model, rdir, dataset, srv.port), capture_output=True, text=True,
+                           env=server_env(a), timeout=a.bench_timeout)
         if b.returncode != 0:
             raise RuntimeError(f"vllm bench serve exited {b.returncode}: {(b.stderr or b.stdout)[-2000:]}")
         time.sleep(2)  # the last steps' counters reach /metrics
-        after = scrape(a.port)
+        after = scrape(srv.port)
         with open(os.path.join(rdir, "result.json")) as f:
             r = json.load(f)
         res.update({k: r.get(k) for k in ("completed", "request_throughput", "output_throughput", "mean_ttft_ms",
@@ -235,18 +269,6 @@ def run_case(case: str, a, model: str, dataset: str | None) -> dict:
         res["metrics"] = {k: after[k] - before[k] for k in METRICS}
     except Exception as exc:  # noqa: BLE001 - one case's failure is reported, the others still run
         res["error"] = repr(exc)[-2000:]
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    res["server_log_tail"] = [l.rstrip()[-300:] for l in open(log_path, errors="replace").readlines()
-                              if "tutti" in l or "Error" in l or "error" in l][-12:]
     return res
 
 
@@ -293,6 +315,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--bench-timeout", type=float, default=900)
+    ap.add_argument("--sequential", action="store_true", help="start each case's server after the last one stopped")
+    ap.add_argument("--start-stagger", type=float, default=5.0, help="seconds between the servers' starts")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.2,
+                    help="each server's share (vLLM refuses to start when less is free); the KV cache is "
+                         "--kv-cache-bytes whatever this is")
     a = ap.parse_args()
     if a.tiny:
         for k, v in dict(prefix_len=384, suffix_len=32, num_prefixes=6, repeats=2, output_len=4, conversations=3,
@@ -313,16 +340,35 @@ def main() -> None:
     if a.workload == "multi_turn":
         dataset = os.path.join(a.out, "multi_turn.jsonl")
         multi_turn_dataset(dataset, a)
+    cases = a.cases.split(",")
     results = []
-    for case in a.cases.split(","):
-        r = run_case(case, a, model, dataset)
-        results.append(r)
-        print("SERVE " + json.dumps({k: v for k, v in r.items() if k != "server_log_tail"}), flush=True)
-    md = table(results)
-    with open(os.path.join(a.out, f"serve_{a.workload}.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(a).items()}, "results": results}, f, indent=1)
-    with open(os.path.join(a.out, f"serve_{a.workload}.md"), "w") as f:
-        f.write(md + "\n")
+    # Every case's server starts at once (each holds its own GPU memory: weights, its KV cache
+    # and the connector's buffers); the benchmarks then run one at a time, so each has the GPU to
+    # itself while the idle servers wait on their sockets. --sequential starts each in turn.
+    servers: dict[str, Server] = {}
+    try:
+        if not a.sequential:
+            for i, case in enumerate(cases):
+                servers[case] = Server(case, a, model, a.port + i)
+                time.sleep(a.start_stagger)
+        for i, case in enumerate(cases):
+            srv = servers.get(case) or Server(case, a, model, a.port + i)
+            servers[case] = srv
+            r = bench_case(srv, a, model, dataset)
+            if a.sequential:
+                srv.stop()
+            r["server_log_tail"] = srv.log_tail()
+            results.append(r)
+            print("SERVE " + json.dumps({k: v for k, v in r.items() if k != "server_log_tail"}), flush=True)
+            # written after every case: a call that runs out of time still brings back the cases it ran
+            md = table(results)
+            with open(os.path.join(a.out, f"serve_{a.workload}.json"), "w") as f:
+                json.dump({"args": {k: v for k, v in vars(a).items()}, "results": results}, f, indent=1)
+            with open(os.path.join(a.out, f"serve_{a.workload}.md"), "w") as f:
+                f.write(md + "\n")
+    finally:
+        for srv in servers.values():
+            srv.stop()
     print(md)
 
 

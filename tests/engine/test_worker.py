@@ -632,3 +632,48 @@ def test_a_capacity_the_file_system_cannot_hold_is_not_pinned_at_start(tmp_path,
     w.warm_up()
     assert len(w.store._maps) == 8 and len(list(tmp_path.rglob("slab-*.bin"))) == 8  # 64 slots / 8
     w.close()
+
+
+def test_stores_into_a_mapped_root_copy_into_the_slots_not_write_calls(tmp_path):
+    """A writer that mapped its whole capacity at start-up stores by copying each chunk into its
+    slot's mapping once the slot's free record is durable (no write request reaches the IO
+    queue); a reader of the same root through the file path then loads every chunk bit exact,
+    and a chunk whose slab shrank under its mapping fails its store instead of being journaled."""
+    src = make_caches(0)
+    w = worker(tmp_path, src, mapped_loads=True, slots_per_slab=8)
+    w.warm_up()
+    assert w.store.maps_every_slab and w.stores.into_maps
+    w.queue = RecordingQueue(w.queue)
+    stores = [StoreChunk("r", bytes([i]) * 32, slot, blocks, ticket=i + 1)
+              for i, (slot, blocks) in enumerate([(3, (0, 1)), (9, (2, 3)), (17, (4, 5))])]
+    run_step(w, StepPlan(1, stores=stores))
+    w.flush()
+    assert sorted(w.take_report().stored) == [1, 2, 3]
+    assert not [e for e in w.queue.log if e[1] == "write"]
+    slab2 = sorted(tmp_path.rglob("slab-2.bin"))[0]
+    os.truncate(slab2, 0)  # slots 16..23: slot 17's store must fail, not be journaled
+    run_step(w, StepPlan(2, stores=[StoreChunk("r", bytes([9]) * 32, 18, (6, 7), ticket=4)]))
+    w.flush()
+    rep = w.take_report()
+    assert rep.stored == [] and rep.store_failed == [4]
+    w.close()
+    dst = make_caches(1)
+    r = worker(tmp_path, dst, mapped_loads=False, slots_per_slab=8)
+    assert not r.store.maps_ram
+    run_step(r, StepPlan(3, loads=[LoadChunk("q", bytes([0]) * 32, 3, (8, 9)),
+                                   LoadChunk("q", bytes([1]) * 32, 9, (10, 11)),
+                                   LoadChunk("q", bytes([9]) * 32, 18, (12, 13))]))
+    assert r.take_failed_blocks() == {12, 13}  # never journaled: not served
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9]], s[[0, 1]]) and torch.equal(d[[10, 11]], s[[2, 3]])
+    r.close()
+
+
+def test_a_writer_that_could_not_map_everything_stores_through_the_file(tmp_path, monkeypatch):
+    from tutti.io import store as store_mod
+
+    monkeypatch.setattr(store_mod, "_free_bytes", lambda fd: geometry().slot_bytes)
+    w = worker(tmp_path, make_caches(0), mapped_loads=True, slots_per_slab=8)
+    w.warm_up()
+    assert not w.store.maps_every_slab and not w.stores.into_maps
+    w.close()

@@ -9,6 +9,11 @@ one device-to-host copy; the writer thread then writes each chunk with one reque
 layers lie contiguous in its slab slot, in the same order as in its staging region), makes it
 durable and journals it. A store that finds no free region is skipped and counted: the forward
 pass never waits for the disk.
+
+On a RAM root whose writer mapped every slab at start-up (`ChunkStore.map_all`), a chunk skips
+the host staging and the write call: once the slot's free record is durable, the writer thread
+copies it from the device staging straight into the slot's mapping (one DMA into pages pinned at
+start-up; on the CPU a memcpy from the host staging), then journals it as the file path does.
 """
 
 from __future__ import annotations
@@ -59,6 +64,12 @@ class StorePipeline:
         # may still land them, so their staging regions and slab descriptors stay held until then.
         self._stragglers: list[tuple[list, list[int], int, int]] = []  # (futures, pinned slots, first, count)
         self._warned_skip = False
+        self._copy_stream = torch.cuda.Stream(ctx.device) if ctx.cuda else None  # the writer thread's DMAs
+
+    @property
+    def into_maps(self) -> bool:
+        """Stores copy into the writer's mapped slabs (see the module docstring)."""
+        return bool(getattr(self.ctx.store, "maps_every_slab", False)) and self.ctx.mac is None
 
     # ---------------------------------------------------------------- step
     def planned(self, stores: Sequence[StoreChunk]) -> None:
@@ -130,7 +141,8 @@ class StorePipeline:
                 gathered.record(self.stream)
                 torch.cuda.current_stream(ctx.device).wait_event(gathered)
             sums = ctx.checksum(dev.view(n * L, ctx.seg))
-            host.copy_(dev, non_blocking=True)
+            if not self.into_maps:  # else the writer thread copies the device regions into the slots
+                host.copy_(dev, non_blocking=True)
             sums_host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
             sums_host.copy_(sums, non_blocking=True)
             ready = torch.cuda.Event()
@@ -199,8 +211,12 @@ class StorePipeline:
         pinned: list[int] = []
         futures: list = []
         stalled = False
+        to_file = live
+        if self.into_maps:
+            self._copy_into_maps(run, live, written, errors)
+            to_file = []
         try:
-            for i, st in live:
+            for i, st in to_file:
                 try:
                     fd, off = store.acquire(st.slot, 0)  # held until its writes are done
                 except OSError as exc:  # the slab cannot be opened (no descriptor left, refused)
@@ -261,6 +277,33 @@ class StorePipeline:
                                      store_seconds=time.perf_counter() - run.t0)
         self._done([st for st, _, _ in done])
         return stalled
+
+    def _copy_into_maps(self, run: _Run, live: list, written: dict[int, list[int]],
+                        errors: dict[int, BaseException]) -> None:
+        """The run's chunks into their slots' mappings (the free records are already durable)."""
+        ctx, store = self.ctx, self.ctx.store
+        rb = self.arena.region_bytes
+        src_all = self.arena.device_view(run.first, len(run.chunks)) if ctx.cuda else \
+            self.arena.host_view(run.first, len(run.chunks))
+        with nvtx_range("copy_into_maps"):
+            if ctx.cuda:
+                with torch.cuda.device(ctx.device), torch.cuda.stream(self._copy_stream):
+                    self._copy_ranges(run, live, written, errors, src_all, rb, store)
+                    done = torch.cuda.Event()
+                    done.record(self._copy_stream)
+                done.synchronize()  # releases the GIL while the DMA runs
+            else:
+                self._copy_ranges(run, live, written, errors, src_all, rb, store)
+
+    def _copy_ranges(self, run, live, written, errors, src_all, rb, store) -> None:
+        for i, st in live:
+            dst = store.mapped_slot(st.slot)
+            if dst is None:  # the slab shrank under its mapping, or was never mapped
+                errors[i] = OSError(f"slot {st.slot}: its slab is not mapped whole")
+                continue
+            src = src_all[i * rb:(i + 1) * rb]
+            for lo, hi in self._written_ranges(written[i]):
+                dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
 
     def _written_ranges(self, layers: list[int]) -> list[tuple[int, int]]:
         """Byte ranges of a chunk's slot to write: runs of consecutive written layers."""

@@ -90,6 +90,8 @@ class WorkerPipeline:
         self.recent_steps: collections.deque = collections.deque(maxlen=64)
         self._closed = False
         self.warmup_seconds = 0.0
+        self.mapped_bytes = 0
+        self.map_seconds = 0.0
         # TUTTI_TRACE=1: (event, layer, perf_counter) of reads submitted and layers made ready,
         # to see the rolling load next to compute; bounded, off by default.
         self.trace: list[tuple[str, int, float]] | None = [] if os.environ.get("TUTTI_TRACE") else None
@@ -210,10 +212,12 @@ class WorkerPipeline:
             ctx.checksum(whole.view(ctx.num_layers, ctx.seg))
         if bpc > 1:  # a partial chunk: every block is block 0, so its bytes come back unchanged
             self.loads._scatter_partial(0, seg, tuple(blocks[0]), 1)
-        map_all = getattr(self.store, "map_all", None)
-        self.mapped_bytes = map_all() if map_all is not None else 0  # RAM roots: pin the stored pages now
         if ctx.cuda:
             torch.cuda.synchronize(ctx.device)
+        t1 = time.perf_counter()
+        map_all = getattr(self.store, "map_all", None)
+        self.mapped_bytes = map_all() if map_all is not None else 0  # RAM roots: pin the stored pages now
+        self.map_seconds = time.perf_counter() - t1
         self.warmup_seconds = time.perf_counter() - t0
         return self.warmup_seconds
 

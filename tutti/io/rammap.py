@@ -6,10 +6,11 @@ CUDA (cudaHostRegister), a segment goes to the device in one DMA straight from t
 with no system call and no host copy. The store format does not change: the same slab files,
 the same journal, so a root moved between a disk and tmpfs stays readable.
 
-Only for loads, and only where the files are ours alone: a mapping of a file that someone else
-truncates faults (SIGBUS) instead of failing one read, so shared stores (Access with a group)
-keep the file path. Writes keep the file path too: the journal's free record must be durable
-before a slot is overwritten, which a DMA into the mapping at gather time would not respect.
+Only where the files are ours alone: a mapping of a file that someone else truncates faults
+(SIGBUS) instead of failing one read, so shared stores (Access with a group) keep the file path.
+A writer maps its slabs writable: its stores copy a chunk from the device straight into the
+slot (one DMA, no write system call, no host staging), and only after the journal's free
+record for the slot is durable (the store pipeline's writer thread orders the two).
 """
 
 from __future__ import annotations
@@ -49,13 +50,13 @@ def fs_type(path: str) -> str:
     return kind
 
 
-def register_host(addr: int, nbytes: int) -> Callable[[], None] | None:
+def register_host(addr: int, nbytes: int, read_only: bool = True) -> Callable[[], None] | None:
     """Page-lock [addr, addr + nbytes) for DMA; returns the undo, or None without CUDA or when
     the driver refuses (the copy then goes through CUDA's own staging: slower, still correct)."""
     if not torch.cuda.is_available():
         return None
     cudart = torch.cuda.cudart()
-    err = int(cudart.cudaHostRegister(addr, nbytes, _REGISTER_READ_ONLY))
+    err = int(cudart.cudaHostRegister(addr, nbytes, _REGISTER_READ_ONLY if read_only else 0))
     if err != 0:
         torch.cuda.synchronize()  # clear nothing pending; the error is not sticky
         log.warning("tutti: cudaHostRegister of a %d B slab mapping failed (error %d); loads from it are "
@@ -65,10 +66,12 @@ def register_host(addr: int, nbytes: int) -> Callable[[], None] | None:
 
 
 class SlabMaps:
-    """One read-only shared mapping per slab file, with a uint8 tensor over it."""
+    """One shared mapping per slab file, with a uint8 tensor over it: read-only for a reader,
+    writable for the store's own writer (its stores copy into it)."""
 
-    def __init__(self, register: bool = True) -> None:
+    def __init__(self, register: bool = True, writable: bool = False) -> None:
         self.register = register
+        self.writable = writable
         self._maps: dict[tuple[int, int], tuple[mmap.mmap, torch.Tensor, Callable[[], None] | None]] = {}
         self.registered_bytes = 0
         self.mapped_bytes = 0
@@ -83,11 +86,12 @@ class SlabMaps:
             return self._maps[key][1]
         if os.fstat(fd).st_size < nbytes:
             return None
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        with warnings.catch_warnings():  # read-only on purpose: nothing may write through a load's view
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+        with warnings.catch_warnings():  # a reader's is read-only on purpose: nothing may write through it
             warnings.simplefilter("ignore", UserWarning)
             tensor = torch.frombuffer(mm, dtype=torch.uint8)
-        undo = register_host(tensor.data_ptr(), nbytes) if self.register else None
+        undo = register_host(tensor.data_ptr(), nbytes, read_only=not self.writable) if self.register else None
         if undo is not None:
             self.registered_bytes += nbytes
         self._maps[key] = (mm, tensor, undo)

@@ -209,7 +209,8 @@ class ChunkStore:
         if map_ram and not access.shared:
             from tutti.io.rammap import SlabMaps
 
-            self._maps = SlabMaps()
+            self._maps = SlabMaps(writable=self.writer)
+        self.maps_every_slab = False  # map_all mapped the writer's whole capacity: stores copy into the maps
         self._zeros: mmap.mmap | None = None
         self._closed = False
         # IO threads may ask for locations while the engine thread records: guard the fd cache and journal.
@@ -547,6 +548,7 @@ class ChunkStore:
         if self._maps is None:
             return 0
         with self._mutex:
+            every = self.writer
             for r, ns in enumerate(self.namespaces):
                 ns_fd = self._namespace_fd(r)
                 if ns_fd is None:
@@ -563,6 +565,7 @@ class ChunkStore:
                 if self.writer and (free is None or free >= local_slots * self.slot_bytes):
                     slabs = range(-(-local_slots // self.slots_per_slab))
                 else:
+                    every = False
                     slabs = sorted({_slab_sort_key(name)[0] for name in os.listdir(ns_fd)} - {-1})
                 for slab in slabs:
                     if self._slab_length(r, slab) and self._maps.get((r, slab)) is None:
@@ -570,7 +573,17 @@ class ChunkStore:
                             self._slab_fd(r, slab)  # creates it (and maps it: _open_slab)
                         if self._maps.get((r, slab)) is None:
                             self._map_slab(r, slab)
+                    every = every and (not self._slab_length(r, slab) or self._maps.get((r, slab)) is not None)
+            self.maps_every_slab = every
             return self._maps.mapped_bytes
+
+    def mapped_slot(self, slot: int):
+        """A writable uint8 tensor over the whole of `slot` in the writer's mapping (its stores
+        copy into it), or None: not a writer that mapped every slab, or the slab file is shorter
+        than its slots (shrunk under us: the write fails that chunk)."""
+        if not (self.maps_every_slab and self.writer):
+            return None
+        return self.mapped(slot, 0, self.slot_bytes)
 
     @property
     def open_slabs(self) -> int:
