@@ -203,3 +203,52 @@ def test_async_loads_auto_follows_vllms_scheduler():
     assert compat.schedules_async(SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True)))
     assert not compat.schedules_async(SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False)))
     assert not compat.schedules_async(SimpleNamespace())
+
+
+class HalfPolicy:
+    """A hit policy from outside tutti ("module:attr"): load the front half of every hit."""
+
+    def decide(self, query, rates):
+        return query.hit_tokens // 2
+
+
+def test_hit_policy_loads_or_recomputes_on_a_slow_store(tiny_model, tmp_path, reference):
+    """Load or compute on a real engine. A store read at 2 MB/s (about 500 tokens/s of this
+    model's KV, far below its prefill rate): the first hit loads in full, which is how the read
+    rate gets measured; the next hit is recomputed by choice, and counted. A policy given as
+    "module:attr" that loads half a hit: vLLM computes the rest. Tokens equal recompute in every
+    case (the loads-dropped control of test_store_then_load_in_a_fresh_process shows that this
+    model's tokens depend on the loaded KV). vLLM's own prefix cache is off, so every hit is tutti's."""
+    p1, p2, p3, warm = prompt(41, 600), prompt(42, 600), prompt(43, 600), prompt(44, 900)
+    ref = reference([p1, p2, p3])
+    slow = {"io_backend": "throttled_backend:make", "io_options": {"read_bytes_per_s": 2e6}}
+
+    def run(policy, stored, hits, root):
+        kvt = kv_config(root, hit_policy=policy, **slow)
+        code = (
+            "import json, harness\n"
+            f"llm = harness.make_llm({str(tiny_model)!r}, kv_transfer_config={kvt!r}, enable_prefix_caching=False)\n"
+            f"harness.generate_ids(llm, {stored!r}, 1)\n"
+            "harness.settle(llm)\n"
+            f"harness.generate_ids(llm, [{warm!r}], 4)  # a prefill: the prefill rate is measured\n"
+            "out = []\n"
+            f"for p in {hits!r}:\n"
+            "    o = harness.generate_ids(llm, [p], 8)[0]\n"
+            "    out.append({'tokens': list(o.outputs[0].token_ids), 'cached': o.num_cached_tokens})\n"
+            "conn = harness.connector(llm)\n"
+            "print('RESULT', json.dumps(out))\n"
+            "print('STATS', json.dumps(vars(conn.planner.stats)))\n"
+            "harness.shutdown_llm(llm)\n"
+        )
+        out = harness.run_in_subprocess(code)
+        res = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:])
+        stats = json.loads([l for l in out.splitlines() if l.startswith("STATS ")][-1][6:])
+        return res, stats
+
+    res, stats = run("auto", [p1, p2], [p1, p2], tmp_path / "kv1")
+    assert [r["cached"] for r in res] == [9 * CHUNK, 0]  # loaded (rate unmeasured), then recomputed by choice
+    assert stats["hit_tokens"] == 9 * CHUNK and stats["declined_hit_tokens"] == 9 * CHUNK
+    assert [r["tokens"] for r in res] == ref[:2]
+    res, stats = run("test_connector:HalfPolicy", [p3], [p3], tmp_path / "kv2")
+    assert res[0]["cached"] == 4 * CHUNK and stats["declined_hit_tokens"] == 5 * CHUNK, stats  # 9 chunks: 4 loaded
+    assert res[0]["tokens"] == ref[2]

@@ -205,6 +205,7 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
 
 def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
     """The scheduler's half: the index rebuilt from every rank's journal."""
+    from tutti.engine.hit_policy import get_policy
     from tutti.io.store import ChunkStore
 
     cfg = EngineConfig.from_dict(raw_config, rank=0)
@@ -214,7 +215,8 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
     planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
                       seed=geom.seed() if mac is None else mac.seed(geom.seed()), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
                       store_decode=cfg.store_decode, num_writers=geom.num_writers,
-                      num_groups=max(geom.group_of_layer or [0]) + 1, state_groups=geom.state_groups)
+                      num_groups=max(geom.group_of_layer or [0]) + 1, state_groups=geom.state_groups,
+                      hit_policy=get_policy(cfg.hit_policy))
     per_rank = []
     for tp, pp, rank in geom.store_ranks:
         rcfg = EngineConfig.from_dict(raw_config, rank=rank)

@@ -201,6 +201,10 @@ class EngineConfig:
     # fails its checksum would already have a token sampled from its KV in flight.
     async_loads: Any = "auto"
     store_decode: bool = False  # also store chunks completed by generated tokens
+    # How much of a hit to load (tutti.engine.hit_policy): "auto" loads only what its measured
+    # read and prefill rates say is faster than recomputing; "always", "never", a registered
+    # name or "package.module:attr".
+    hit_policy: str = "auto"
     # Publish tutti's KV events (BlockStored/BlockRemoved, medium STORAGE) on this ZMQ endpoint
     # in vLLM's wire format; "" = off (events still go through vLLM's --kv-events-config).
     kv_events_endpoint: str = ""
@@ -315,6 +319,15 @@ class EngineConfig:
                 if not isinstance(v, bool):
                     raise ConfigError(f"{name}={v!r}: expected true or false")
                 kw[name] = v
+        if "hit_policy" in raw:
+            v = raw.pop("hit_policy")
+            from tutti.engine.hit_policy import get_policy
+
+            try:
+                get_policy(v)  # a name that resolves, checked before any IO
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            kw["hit_policy"] = v
         if "io_backend" in raw:
             v = raw.pop("io_backend")
             if v != "auto":

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from tutti.engine.hit_policy import Always, HitPolicy, HitQuery, RateMeter, Rates, chunk_floor
 from tutti.engine.index import ChunkIndex
 from tutti.engine.keys import Identity, UnkeyableError, chunk_keys, state_key
 from tutti.engine.plan import NULL_BLOCK, LoadChunk, StepPlan, StoreChunk, WorkerReport
@@ -35,6 +36,8 @@ class PlannerStats:
     store_seconds: float = 0.0
     stores_skipped: int = 0
     unkeyed_requests: int = 0  # requests whose identity could not be keyed: neither stored nor served
+    async_hit_tokens: int = 0  # of hit_tokens, loaded asynchronously (the request waited outside the batch)
+    declined_hit_tokens: int = 0  # stored, and recomputed by the hit policy's choice (faster than loading)
 
     def since(self, earlier: "PlannerStats") -> dict[str, float]:
         """Counters accumulated since `earlier` (a copy taken before), without resetting: the
@@ -63,6 +66,8 @@ class _Request:
     state_source: tuple[str | None, int] | None = None  # state groups: where the state at the hit's end is
     async_load: bool = False  # vLLM waits for the worker to report its loads received
     stored_state_upto: int = 0  # state groups: chunks whose end state was planned (or loaded)
+    computed: int = 0  # prompt tokens computed or loaded (or to be loaded): the rest is prefill backlog
+    declined: int = 0  # hit tokens the policy chose to recompute at the last lookup
 
 
 @dataclass
@@ -77,7 +82,8 @@ class Planner:
     def __init__(self, *, num_slots: int, chunk_tokens: int, block_size: int, seed: bytes,
                  num_workers: int = 1, slot_bytes: int = 0, store_decode: bool = False,
                  num_writers: int | None = None, foreign=None, num_groups: int = 1,
-                 state_groups: Sequence[int] = ()) -> None:
+                 state_groups: Sequence[int] = (), hit_policy: HitPolicy | None = None,
+                 step_tokens: int = 8192, asynchronous: bool = False) -> None:
         if chunk_tokens % block_size:
             raise ValueError(
                 f"chunk_tokens={chunk_tokens}: must be a multiple of the KV cache's block_size={block_size}; "
@@ -121,6 +127,15 @@ class Planner:
         self.foreign = foreign
         self._foreign_loads: dict[bytes, tuple[str, int]] = {}  # in flight: key -> (writer, slot)
         self._step_foreign: dict[int, list[bytes]] = {}
+        # Load or compute (tutti.engine.hit_policy): the policy, the rates it is given, and the
+        # queues it weighs (bytes of loads planned and not done, prompt tokens not computed).
+        self.hit_policy: HitPolicy = hit_policy if hit_policy is not None else Always()
+        self.meter = RateMeter()
+        self.step_tokens = step_tokens
+        self.asynchronous = asynchronous  # the connector's load mode: outside the batch, or in the step
+        self._unsent_load_bytes = 0
+        self._step_load_bytes: dict[int, int] = {}
+        self._backlog = 0  # prompt tokens not computed, as of the last step (plus lookups since)
 
     # -- lookups --------------------------------------------------------------------------
     def _request(self, req_id: str, tokens: Sequence[int], identity: Identity | None = None) -> _Request:
@@ -137,10 +152,11 @@ class Planner:
         return r
 
     def match(self, req_id: str, tokens: Sequence[int], num_computed_tokens: int,
-              identity: Identity | None = None) -> int:
-        """Tokens beyond `num_computed_tokens` that can be loaded: whole chunks, and always
-        at least one prompt token left for vLLM to compute. `identity(start, end)` gives the
-        bytes of what else tokens [start, end) depend on (see tutti.engine.keys)."""
+              identity: Identity | None = None, max_load_tokens: int | None = None) -> int:
+        """Tokens beyond `num_computed_tokens` to load: whole chunks the store holds, as many as
+        the hit policy chooses (at most `max_load_tokens`, the request's own cap), and always at
+        least one prompt token left for vLLM to compute. `identity(start, end)` gives the bytes
+        of what else tokens [start, end) depend on (see tutti.engine.keys)."""
         r = self._request(req_id, tokens, identity)
         usable = (len(tokens) - 1) // self.chunk_tokens
         r.hit_sources = self._locate(r.keys[:usable])
@@ -157,11 +173,43 @@ class Planner:
         r.hit_chunks = hits
         self.stats.queried_tokens += len(tokens)
         hit_tokens = hits * self.chunk_tokens
+        r.computed = num_computed_tokens
+        r.declined = 0
         if hit_tokens <= num_computed_tokens:
             r.hit_chunks = 0
+            self._backlog += len(tokens) - num_computed_tokens
             return 0
-        self.stats.hit_tokens += hit_tokens - num_computed_tokens
-        return hit_tokens - num_computed_tokens
+        found = hit_tokens - num_computed_tokens
+        take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens)
+        if self.state_groups and take < found:  # a shorter hit must end on a chunk whose state is stored
+            take = 0
+        r.declined = found - take  # counted once vLLM allocates (it may look a request up again)
+        self._backlog += len(tokens) - num_computed_tokens - take
+        if take <= 0:
+            r.hit_chunks = 0
+            return 0
+        r.hit_chunks = (num_computed_tokens + take) // self.chunk_tokens
+        r.computed = num_computed_tokens + take
+        return take
+
+    def _choose(self, found: int, prompt_tokens: int, max_load_tokens: int | None) -> int:
+        """The hit policy's choice among the loadable counts of a hit of `found` tokens."""
+        q = HitQuery(hit_tokens=found, prompt_tokens=prompt_tokens, chunk_tokens=self.chunk_tokens,
+                     bytes_per_token=self.slot_bytes / self.chunk_tokens, step_tokens=self.step_tokens,
+                     asynchronous=self.asynchronous, max_load_tokens=max_load_tokens)
+        rates = Rates(self.meter.load_rate, self.meter.prefill_rate,
+                      queued_load_bytes=self._unsent_load_bytes + sum(self._step_load_bytes.values()),
+                      prefill_backlog_tokens=max(0, self._backlog))
+        try:
+            want = self.hit_policy.decide(q, rates)
+        except Exception:  # noqa: BLE001 - a research policy's bug costs its hits, never the step
+            log.exception("tutti: hit policy %r failed; loading the whole hit", self.hit_policy)
+            want = found
+        try:
+            return chunk_floor(want, q)
+        except ValueError as exc:
+            log.warning("tutti: %s; loading the whole hit", exc)
+            return chunk_floor(found, q)
 
     def _locate(self, keys: Sequence[bytes]) -> list[tuple[str | None, int]]:
         """Where each chunk of the longest stored prefix of `keys` is: (None, slot) in our own
@@ -221,6 +269,12 @@ class Planner:
             return
         r.async_load = async_load
         r.block_ids = self._per_group(block_ids)
+        self.stats.declined_hit_tokens += r.declined
+        r.declined = 0
+        if num_external_tokens > 0 and r.hit_chunks:
+            self.stats.hit_tokens += num_external_tokens
+            if async_load:
+                self.stats.async_hit_tokens += num_external_tokens
         if num_external_tokens <= 0 or r.hit_chunks == 0:
             return
         first = r.local_computed // self.chunk_tokens
@@ -235,6 +289,7 @@ class Planner:
                 raise RuntimeError(f"chunk {c} of request {req_id} vanished between lookup and allocation")
             skip = max(0, r.local_computed - c * self.chunk_tokens) // self.block_size
             r.loads.append(LoadChunk(req_id, key, slot, self._chunk_blocks(r, c), skip, source))
+            self._unsent_load_bytes += self._load_bytes(r.loads[-1])
             self._hold(key, source, slot)
         if self.state_groups and last > first:  # the state at the hit's end
             if r.state_source is None:
@@ -247,6 +302,13 @@ class Planner:
             self._hold(skey, source, slot)
             r.stored_state_upto = max(r.stored_state_upto, last)
         r.next_store_chunk = max(r.next_store_chunk, last)
+
+    def _load_bytes(self, ld: LoadChunk) -> int:
+        return self.slot_bytes * (self.blocks_per_chunk - min(ld.skip_blocks, self.blocks_per_chunk)) \
+            // self.blocks_per_chunk
+
+    def _drop_unsent(self, loads: Sequence[LoadChunk]) -> None:
+        self._unsent_load_bytes = max(0, self._unsent_load_bytes - sum(self._load_bytes(ld) for ld in loads))
 
     def _hold(self, key: bytes, source: str | None, slot: int) -> None:
         if source is None:
@@ -294,6 +356,7 @@ class Planner:
         """The loads and stores of one step. `scheduled[req]` tokens are computed this step on
         top of `computed_before[req]`."""
         plan = StepPlan(step=next(self._steps))
+        self.meter.on_step(sum(scheduled.values()))
         pins: list[bytes] = []
         foreign_keys: list[bytes] = []
         want: list[tuple[_Request, int]] = []
@@ -307,6 +370,7 @@ class Planner:
                 foreign_keys.extend(ld.key for ld in r.loads if ld.source is not None)
                 r.loads = []
             done_tokens = computed_before.get(req_id, 0) + n_sched
+            r.computed = max(r.computed, done_tokens)
             limit = min(done_tokens, len(r.tokens)) // self.chunk_tokens
             limit = min(limit, len(r.keys), min(len(g) for g in r.block_ids) // self.blocks_per_chunk)
             for c in range(r.next_store_chunk, limit):
@@ -346,6 +410,8 @@ class Planner:
                 plan.stores.append(StoreChunk(r.req_id, key, slot, blocks, ticket))
                 r.had_stores = True
                 self.stats.stores_planned += 1
+        if plan.loads:
+            self._sent(plan.step, plan.loads)
         if pins:
             self._step_pins[plan.step] = pins
         if foreign_keys:
@@ -358,8 +424,15 @@ class Planner:
                 r.loads = []
             self._step_pins[plan.async_step] = [ld.key for ld in plan.async_loads if ld.source is None]
             self._step_foreign[plan.async_step] = [ld.key for ld in plan.async_loads if ld.source is not None]
+            self._sent(plan.async_step, plan.async_loads)
         plan.preempted, self._preempted = self._preempted, []
+        self._backlog = sum(max(0, len(r.tokens) - r.computed) for r in self._reqs.values())
         return plan
+
+    def _sent(self, step: int, loads: Sequence[LoadChunk]) -> None:
+        """These loads went out with `step`: queued until every worker reports the step done."""
+        self._drop_unsent(loads)
+        self._step_load_bytes[step] = self._step_load_bytes.get(step, 0) + sum(self._load_bytes(ld) for ld in loads)
 
     # -- lifecycle ------------------------------------------------------------------------
     def preempted(self, req_id: str) -> None:
@@ -374,7 +447,9 @@ class Planner:
         for ld in r.loads:
             if ld.source is None:
                 self.index.unpin([ld.key])
+        self._drop_unsent(r.loads)
         r.loads = []
+        r.computed = 0
         r.block_ids = [[] for _ in range(self.num_groups)]
         r.hit_chunks = 0
         r.next_store_chunk = 0  # chunks stored meanwhile are skipped as resident or pending
@@ -389,6 +464,7 @@ class Planner:
         for ld in r.loads:  # planned but never sent (aborted before its step)
             if ld.source is None:
                 self.index.unpin([ld.key])
+        self._drop_unsent(r.loads)
         return r.had_stores
 
     # -- reports --------------------------------------------------------------------------
@@ -399,6 +475,7 @@ class Planner:
         s.load_seconds += report.load_seconds
         s.store_seconds += report.store_seconds
         s.stores_skipped += report.stores_skipped
+        self.meter.on_loads(report.bytes_loaded, report.load_seconds)
         for t in report.store_failed:
             tk = self._tickets.pop(t, None)
             if tk is not None and self.index.abort(tk.key):
@@ -426,6 +503,7 @@ class Planner:
             n = self._step_done_count.get(step, 0) + 1
             if n >= self.num_workers:
                 self._step_done_count.pop(step, None)
+                self._step_load_bytes.pop(step, None)
                 self.index.unpin(self._step_pins.pop(step, []))
                 for key in self._step_foreign.pop(step, []):
                     self._foreign_loads.pop(key, None)

@@ -691,3 +691,19 @@ def block_geometry(name: str, kv: Any) -> BlockGeometry:
         raise ValueError(f"kv cache {name!r}: block stride {stride} B < page {page} B")
     return BlockGeometry(num_blocks=int(kv.shape[0]), page_bytes=page, block_stride_bytes=stride,
                          base_ptr=kv.data_ptr(), dtype=kv.dtype, page_shape=tuple(kv.shape[1:]))
+
+
+def max_load_tokens(request: Any) -> int | None:
+    """The request's own cap on loaded tokens (vLLM 0.33's `kv_transfer_params["max_load_tokens"]`,
+    0 = load nothing), or None. A value that is not a non-negative integer is ignored, said once."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict) or "max_load_tokens" not in params:
+        return None
+    v = params["max_load_tokens"]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        from vllm.logger import init_logger
+
+        init_logger(__name__).warning("tutti: request %s: kv_transfer_params max_load_tokens=%r ignored (expected an integer >= 0)",
+                       getattr(request, "request_id", "?"), v)
+        return None
+    return v

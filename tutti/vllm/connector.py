@@ -113,6 +113,8 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         self._publisher: EventPublisher | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._planner = build_planner(self._extra, self._geom)
+            self._planner.asynchronous = self._async_loads  # the hit policy models this load mode
+            self._planner.step_tokens = compat.step_tokens(vllm_config) or 8192
             self._sched_stats = SchedulerStatsTracker(self._planner.index.num_slots * self._planner.slot_bytes)
             hash_bs = self._hash_block_size
             self._events = KVEventTracker(chunk_tokens=self._cfg.chunk_tokens, hash_block_size=hash_bs,
@@ -279,7 +281,8 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         tokens = compat.prompt_tokens(request)
         # everything vLLM's block hash covers besides the token ids (LoRA, images, salt, embeds)
         identity = compat.request_identity(request, self._hash_block_size)
-        n = self._planner.match(request.request_id, tokens, num_computed_tokens, identity)
+        n = self._planner.match(request.request_id, tokens, num_computed_tokens, identity,
+                                max_load_tokens=compat.max_load_tokens(request))
         if self._cfg.store_decode:
             self._requests[request.request_id] = request  # its generated tokens, read each step
         if self._events is not None:

@@ -52,7 +52,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("queried_tokens", "vllm:tutti_queried_tokens", COUNTER,
               "Prompt tokens looked up in tutti's index."),
     MetricDef("hit_tokens", "vllm:tutti_hit_tokens", COUNTER,
-              "Tokens found in tutti's store beyond vLLM's own prefix cache (loaded instead of computed)."),
+              "Tokens loaded from tutti's store beyond vLLM's own prefix cache (instead of computed)."),
+    MetricDef("async_hit_tokens", "vllm:tutti_async_hit_tokens", COUNTER,
+              "Of the hit tokens, those loaded asynchronously (the request waited outside the batch)."),
+    MetricDef("declined_hit_tokens", "vllm:tutti_declined_hit_tokens", COUNTER,
+              "Tokens found in tutti's store and recomputed by the hit policy's choice (recomputing was faster)."),
     MetricDef("loads_failed", "vllm:tutti_failed_loads", COUNTER,
               "Chunks whose load failed (IO error or checksum mismatch); vLLM recomputed them."),
     MetricDef("stores_committed", "vllm:tutti_stored_chunks", COUNTER,
@@ -67,7 +71,8 @@ METRICS: tuple[MetricDef, ...] = (
 
 BY_FIELD: dict[str, MetricDef] = {m.field: m for m in METRICS}
 WORKER_FIELDS = ("bytes_loaded", "load_seconds", "bytes_stored", "store_seconds", "stores_skipped")
-SCHEDULER_FIELDS = ("queried_tokens", "hit_tokens", "loads_failed", "stores_committed", "evictions")
+SCHEDULER_FIELDS = ("queried_tokens", "hit_tokens", "async_hit_tokens", "declined_hit_tokens", "loads_failed",
+                    "stores_committed", "evictions")
 
 
 @dataclass

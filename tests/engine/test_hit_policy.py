@@ -1,0 +1,167 @@
+"""The hit policy (load or compute) against a model of rates, and in the planner."""
+
+import random
+
+import pytest
+
+from tutti.engine.hit_policy import (Always, CostModel, HitQuery, Never, RateMeter, Rates, candidates, chunk_floor,
+                                     get_policy, register_policy)
+from tutti.engine.planner import Planner
+from tutti.engine.plan import WorkerReport
+
+B8 = 131072  # bytes a token of the 8B geometry (bf16, 32 layers, 8 KV heads of 128)
+PREFILL = 27000.0  # tokens/s, the H200's 8B prefill
+
+
+def q(hit, prompt, *, asynchronous=True, step=8192, cap=None, chunk=256):
+    return HitQuery(hit_tokens=hit, prompt_tokens=prompt, chunk_tokens=chunk, bytes_per_token=B8, step_tokens=step,
+                    asynchronous=asynchronous, max_load_tokens=cap)
+
+
+def test_unmeasured_rates_load_everything():
+    assert CostModel().decide(q(8192, 8320), Rates(None, PREFILL)) == 8192
+    assert CostModel().decide(q(8192, 8320), Rates(1e9, None)) == 8192
+
+
+def test_async_fast_storage_loads_slow_storage_recomputes_when_idle():
+    fast, slow = Rates(20e9, PREFILL), Rates(1.0e9, PREFILL)  # 20 GB/s RAM; a 1 GB/s disk (< 3.5 GB/s of prefill KV)
+    assert CostModel().decide(q(8192, 8320), fast) == 8192
+    assert CostModel().decide(q(8192, 8320), slow) == 0
+
+
+def test_async_slow_storage_still_loads_under_a_prefill_backlog():
+    """Behind 50k prompt tokens of other requests (about 1.9 s of prefill), a 1 GB/s disk's 1.07 s
+    read finishes first: the disk adds prefill capacity beside the GPU."""
+    busy = Rates(1.0e9, PREFILL, prefill_backlog_tokens=50000)
+    assert CostModel().decide(q(8192, 8320), busy) == 8192
+    # ... but not behind a queue of other loads that takes longer than the backlog
+    queued = Rates(1.0e9, PREFILL, queued_load_bytes=int(3e9), prefill_backlog_tokens=50000)
+    assert CostModel().decide(q(8192, 8320), queued) == 0
+
+
+def test_layerwise_overlaps_the_load_with_the_suffixs_compute():
+    """In the step (layer-wise), loading the front m tokens while the step computes the rest costs
+    max(load(m), compute(rest)): from a 1.7 GB/s disk an 8k hit beats both load-all and compute-all."""
+    qq, rates = q(8192, 8192 + 128, asynchronous=False), Rates(1.7e9, PREFILL)
+    m = CostModel().decide(qq, rates)
+    t = lambda k: CostModel.time(qq, rates, k)  # noqa: E731
+    assert 0 < m < 8192 and m % 256 == 0
+    assert t(m) < 0.8 * min(t(0), t(8192))
+    assert t(m) == min(t(k) for k in [0] + candidates(qq))
+
+
+def test_never_worse_than_either_end_in_its_own_model():
+    rng = random.Random(3)
+    for _ in range(2000):
+        chunk = rng.choice([16, 64, 256])
+        local = rng.randrange(0, 4) * 16
+        hit = rng.randrange(1, 64) * chunk - local
+        if hit <= 0:
+            continue
+        qq = HitQuery(hit, hit + rng.randrange(1, 4000), chunk, rng.choice([4096.0, B8, 4 * B8]),
+                      rng.choice([512, 2048, 8192]), rng.random() < 0.5,
+                      rng.choice([None, None, rng.randrange(0, hit + chunk)]))
+        rates = Rates(10 ** rng.uniform(7, 11), 10 ** rng.uniform(3, 5), rng.randrange(0, 1 << 32),
+                      rng.randrange(0, 100000))
+        m = CostModel().decide(qq, rates)
+        allowed = [0] + candidates(qq)
+        assert m in allowed
+        ends = [CostModel.time(qq, rates, 0)] + ([CostModel.time(qq, rates, allowed[-1])] if len(allowed) > 1 else [])
+        assert CostModel.time(qq, rates, m) <= min(ends) * (1 + 1e-9)
+
+
+def test_the_requests_cap_is_honoured_on_a_chunk_boundary():
+    assert candidates(q(1000, 2000, chunk=256)) == [232, 488, 744, 1000]  # vLLM's own cache ends mid-chunk
+    assert chunk_floor(Always().decide(q(8192, 9000, cap=1000), Rates(None, None)), q(8192, 9000, cap=1000)) == 768
+    assert chunk_floor(8192, q(8192, 9000, cap=0)) == 0
+    assert chunk_floor(300, q(8192, 9000)) == 256 and chunk_floor(-5, q(8192, 9000)) == 0
+    with pytest.raises(ValueError, match="expected a number of tokens"):
+        chunk_floor("all", q(8192, 9000))
+
+
+class Half:
+    def decide(self, query, rates):
+        return query.hit_tokens // 2
+
+
+def test_policies_by_name_module_attr_and_registry():
+    assert isinstance(get_policy("auto"), CostModel) and isinstance(get_policy("never"), Never)
+    assert isinstance(get_policy(f"{__name__}:Half"), Half)
+    register_policy("half-test", Half)
+    assert isinstance(get_policy("half-test"), Half)
+    with pytest.raises(ValueError, match=r"hit_policy='nope': unknown; expected one of .*'auto'"):
+        get_policy("nope")
+    with pytest.raises(ValueError, match="cannot import module"):
+        get_policy("no_such_module_xyz:Policy")
+    from tutti.engine.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="hit_policy='nope'"):
+        EngineConfig.from_dict({"root": "/tmp/x", "capacity_bytes": "1GiB", "hit_policy": "nope"})
+
+
+def test_rate_meter_ignores_decode_steps_and_idle_gaps():
+    m = RateMeter()
+    m.on_step(8192, now=0.0)
+    m.on_step(8192, now=0.3)   # the first step took 0.3 s for 8192 tokens
+    m.on_step(8, now=0.6)      # the second, 0.3 s
+    m.on_step(8192, now=0.61)  # a decode step (8 tokens): not a prefill rate
+    m.on_step(8192, now=60.0)  # an idle server between: not a step
+    assert m.prefill_rate == pytest.approx(8192 / 0.3)
+    assert m.load_rate is None
+    m.on_loads(2 << 30, 1.0)
+    m.on_loads(0, 0.0)
+    assert m.load_rate == pytest.approx(2 << 30)
+
+
+def planner(policy, chunk=32, slot_bytes=32 * 1000):
+    p = Planner(num_slots=64, chunk_tokens=chunk, block_size=16, seed=b"s" * 32, slot_bytes=slot_bytes,
+                hit_policy=policy, asynchronous=True)
+    return p
+
+
+def store_prefix(p, tokens, req="w"):
+    p.match(req, tokens, 0)
+    p.on_alloc(req, list(range(len(tokens) // 16 + 1)), 0)
+    plan = p.build_step({req: len(tokens)}, {req: 0})
+    p.on_report(WorkerReport(stored=[st.ticket for st in plan.stores], steps_done=[plan.step]))
+    p.finished(req)
+
+
+def test_planner_loads_what_the_policy_chose_and_counts_the_rest():
+    p = planner(Half())
+    toks = list(range(1, 200))
+    store_prefix(p, toks)  # 6 chunks of 32
+    n = p.match("r", toks + [7, 8], 0)
+    assert p.match("r", toks + [7, 8], 0) == n == 96  # vLLM may look a request up again: counted once
+    p.on_alloc("r", list(range(20)), n, async_load=True)
+    assert p.stats.hit_tokens == 96 and p.stats.declined_hit_tokens == 96 and p.stats.async_hit_tokens == 96
+    plan = p.build_step({}, {})
+    assert len(plan.async_loads) == 3  # chunks 0..2 only
+    assert sum(p._step_load_bytes.values()) == 3 * 32 * 1000  # queued until reported done
+    p.on_report(WorkerReport(steps_done=[plan.async_step], bytes_loaded=3 * 32000, load_seconds=0.5))
+    assert not p._step_load_bytes and p.meter.load_rate == pytest.approx(3 * 32000 / 0.5)
+
+
+def test_a_failing_policy_loads_the_whole_hit():
+    class Broken:
+        def decide(self, query, rates):
+            raise RuntimeError("bug in a notebook")
+
+    p = planner(Broken())
+    toks = list(range(1, 200))
+    store_prefix(p, toks)
+    assert p.match("r", toks + [1], 0) == 192
+
+
+def test_the_cost_model_in_the_planner_declines_a_slow_store_when_idle():
+    p = planner(CostModel(), slot_bytes=32 * B8)
+    toks = list(range(1, 200))
+    store_prefix(p, toks)
+    p.meter.on_loads(int(1e9), 1.0)  # measured: 1 GB/s
+    for t in (0.0, 0.3, 0.6):
+        p.meter.on_step(8192, now=t)  # measured: 27k tokens/s
+    assert p.match("r", toks + [1], 0) == 0
+    p.on_alloc("r", list(range(20)), 0)
+    assert p.stats.declined_hit_tokens == 192 and p.stats.hit_tokens == 0
+    p.meter.on_loads(int(1e12), 1.0)  # the storage turned out fast: load
+    assert p.match("s", toks + [2], 0) == 192

@@ -1,0 +1,222 @@
+"""Load or compute: how much of a stored prefix a request loads, from rates measured while serving.
+
+Why: a hit is worth loading only while reading it is faster than computing it. From a slow disk
+(the H200 prefills an 8B model's KV at about 3.5 GB/s) or behind a queue of other loads, loading
+a whole hit makes a request slower than recomputing it, and under a closed-loop client the whole
+server slower. The policy chooses, per request, how many of the hit's tokens to load (a chunk
+boundary); vLLM computes the rest.
+
+The interface is one method, so a policy can be tried from a notebook:
+
+    class MyPolicy:
+        def decide(self, q: HitQuery, rates: Rates) -> int:   # tokens to load, <= q.hit_tokens
+            ...
+
+chosen by `hit_policy` in the connector's config: "auto" (CostModel, the default), "always",
+"never", a name given to `register_policy`, or "package.module:attr" (a class, a factory or
+an instance). The planner rounds whatever comes back down to a chunk boundary.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+
+@dataclass(frozen=True)
+class HitQuery:
+    """One request's lookup, in tokens beyond what vLLM's own prefix cache already has."""
+
+    hit_tokens: int  # the store holds this many (ends on a chunk boundary)
+    prompt_tokens: int  # the prompt's tokens still to compute if nothing is loaded
+    chunk_tokens: int
+    bytes_per_token: float  # KV bytes one token moves on one worker (all its layers)
+    step_tokens: int  # vLLM's step token budget (max_num_batched_tokens)
+    asynchronous: bool  # loads run outside the batch (the request waits); else layer-wise in its step
+    max_load_tokens: int | None = None  # the request's own cap (kv_transfer_params), None = none
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What tutti measured while serving; None until measured."""
+
+    load_bytes_per_s: float | None  # the storage's read rate, one worker's loads
+    prefill_tokens_per_s: float | None  # the GPU's rate of computing prompt tokens
+    queued_load_bytes: int = 0  # loads planned and not yet done (they are read first)
+    prefill_backlog_tokens: int = 0  # prompt tokens known and not yet computed (computed first)
+
+
+class HitPolicy(Protocol):
+    def decide(self, q: HitQuery, rates: Rates) -> int: ...
+
+
+class Always:
+    """Load every hit in full (tutti before load-or-compute)."""
+
+    name = "always"
+
+    def decide(self, q: HitQuery, rates: Rates) -> int:
+        return q.hit_tokens
+
+
+class Never:
+    """Load nothing: every prompt is recomputed (stores still happen)."""
+
+    name = "never"
+
+    def decide(self, q: HitQuery, rates: Rates) -> int:
+        return 0
+
+
+class CostModel:
+    """The `m` of chunk boundaries 0 .. hit that minimises the request's modelled time to its
+    first token; ties go to loading more (it frees the GPU for the batch).
+
+    Asynchronous loads (the request waits outside the batch): its loads queue behind the loads
+    already planned, its compute behind the prompts already waiting, and the two queues drain
+    side by side, so
+        t(m) = max((Q + m b) / R_load, P / R_prefill) + (n - m) / R_prefill   (m > 0)
+        t(0) = (P + n) / R_prefill
+    Under load (P large) a slow disk still wins: it adds prefill capacity beside the GPU.
+
+    Layer-wise loads (in the step, overlapped with the suffix's compute; only the first step's
+    suffix tokens overlap, so the model follows the step budget S):
+        t(m) = max((Q + m b) / R_load, c1 / R_prefill) + (n - m - c1) / R_prefill,  c1 = min(S, n - m)
+
+    Until both rates are measured it loads everything (that is how the read rate is measured).
+    Every candidate is evaluated, so it never chooses worse than "load all" or "recompute all"
+    in its own model.
+    """
+
+    name = "auto"
+
+    def decide(self, q: HitQuery, rates: Rates) -> int:
+        if q.hit_tokens <= 0:
+            return 0
+        rl, rp = rates.load_bytes_per_s, rates.prefill_tokens_per_s
+        if not rl or not rp or rl <= 0 or rp <= 0:
+            return q.hit_tokens
+        best_m, best_t = 0, self.time(q, rates, 0)
+        for m in candidates(q):
+            t = self.time(q, rates, m)
+            if t <= best_t * (1 + 1e-9):
+                best_m, best_t = m, t
+        return best_m
+
+    @staticmethod
+    def time(q: HitQuery, rates: Rates, m: int) -> float:
+        """The modelled seconds to the request's first token when it loads `m` tokens."""
+        rl, rp = float(rates.load_bytes_per_s), float(rates.prefill_tokens_per_s)
+        n = q.prompt_tokens
+        compute_wait = rates.prefill_backlog_tokens / rp
+        if m <= 0:
+            return compute_wait + n / rp
+        load = (rates.queued_load_bytes + m * q.bytes_per_token) / rl
+        if q.asynchronous:
+            return max(load, compute_wait) + (n - m) / rp
+        c1 = min(max(q.step_tokens, 1), n - m)
+        return compute_wait + max(load, c1 / rp) + (n - m - c1) / rp
+
+
+def candidates(q: HitQuery) -> list[int]:
+    """Loadable token counts: the hit cut at each chunk boundary it crosses (the first may be a
+    partial chunk past vLLM's own cache), within the request's cap."""
+    cap = q.hit_tokens if q.max_load_tokens is None else min(q.hit_tokens, max(0, q.max_load_tokens))
+    first = q.hit_tokens % q.chunk_tokens or q.chunk_tokens
+    out = list(range(first, cap + 1, q.chunk_tokens))
+    return out
+
+
+@dataclass
+class RateMeter:
+    """Rates measured from the engine's own work: decayed sums, so a change of load shows up
+    within a few dozen steps and one outlier does not decide alone."""
+
+    decay: float = 0.9
+    load_bytes: float = 0.0
+    load_seconds: float = 0.0
+    prefill_tokens: float = 0.0
+    prefill_seconds: float = 0.0
+    min_step_tokens: int = 256  # steps with fewer scheduled tokens are decode-bound: not a prefill rate
+    max_gap_s: float = 5.0  # a longer gap between steps was an idle server, not a step
+    _last_step: float | None = None
+    _last_tokens: int = 0
+
+    def on_loads(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.load_bytes = self.load_bytes * self.decay + nbytes
+            self.load_seconds = self.load_seconds * self.decay + seconds
+
+    def on_step(self, scheduled_tokens: int, now: float | None = None) -> None:
+        """A step was scheduled: the time since the last one is the last one's duration (with
+        vLLM's asynchronous scheduling, one step late; the sums do not mind)."""
+        now = time.monotonic() if now is None else now
+        if self._last_step is not None:
+            gap = now - self._last_step
+            if 0 < gap <= self.max_gap_s and self._last_tokens >= self.min_step_tokens:
+                self.prefill_tokens = self.prefill_tokens * self.decay + self._last_tokens
+                self.prefill_seconds = self.prefill_seconds * self.decay + gap
+        self._last_step, self._last_tokens = now, scheduled_tokens
+
+    @property
+    def load_rate(self) -> float | None:
+        return self.load_bytes / self.load_seconds if self.load_seconds > 0 else None
+
+    @property
+    def prefill_rate(self) -> float | None:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else None
+
+
+_REGISTRY: dict[str, Callable[[], HitPolicy]] = {"auto": CostModel, "always": Always, "never": Never}
+
+
+def register_policy(name: str, factory: Callable[[], HitPolicy]) -> None:
+    """Make `name` choosable as `hit_policy` (a class or a no-argument factory)."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"register_policy: name={name!r}: expected a non-empty name without ':'")
+    _REGISTRY[name] = factory
+
+
+def available_policies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_policy(spec) -> HitPolicy:
+    """A policy from `hit_policy`: a registered name, "package.module:attr", or an object with
+    `decide` (passed through)."""
+    if hasattr(spec, "decide"):
+        return spec
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"hit_policy={spec!r}: expected one of {available_policies()} or 'package.module:attr'")
+    if spec in _REGISTRY:
+        return _REGISTRY[spec]()
+    if ":" in spec:
+        mod_name, _, attr = spec.partition(":")
+        try:
+            obj = importlib.import_module(mod_name)
+        except ImportError as exc:
+            raise ValueError(f"hit_policy={spec!r}: cannot import module {mod_name!r} ({exc})") from exc
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise ValueError(f"hit_policy={spec!r}: module {mod_name!r} has no attribute {attr!r}")
+            obj = getattr(obj, part)
+        pol = obj if hasattr(obj, "decide") and not isinstance(obj, type) else obj()
+        if not callable(getattr(pol, "decide", None)):
+            raise ValueError(f"hit_policy={spec!r}: {attr!r} gives no object with a decide(query, rates) method")
+        return pol
+    raise ValueError(f"hit_policy={spec!r}: unknown; expected one of {available_policies()} or 'package.module:attr'")
+
+
+def chunk_floor(tokens: int, q: HitQuery) -> int:
+    """A policy's answer as a loadable count: within [0, hit], on a candidate boundary."""
+    if not isinstance(tokens, (int, float)) or isinstance(tokens, bool) or math.isnan(tokens):
+        raise ValueError(f"hit policy returned {tokens!r}: expected a number of tokens")
+    t = int(max(0, min(q.hit_tokens, tokens)))
+    best = 0
+    for m in candidates(q):
+        if m <= t:
+            best = m
+    return best
