@@ -42,6 +42,7 @@ from vllm_ttft import make_model  # noqa: E402
 METRICS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:external_prefix_cache_hits",
            "vllm:external_prefix_cache_queries", "vllm:tutti_hit_tokens", "vllm:tutti_queried_tokens",
            "vllm:tutti_skipped_stores", "vllm:tutti_stored_chunks", "vllm:tutti_failed_loads",
+           "vllm:tutti_declined_hit_tokens", "vllm:tutti_async_hit_tokens",
            "vllm:tutti_load_bytes", "vllm:tutti_load_seconds", "vllm:tutti_store_bytes", "vllm:tutti_store_seconds",
            "vllm:kv_offload_total_bytes", "vllm:kv_offload_total_time", "vllm:num_preemptions")
 

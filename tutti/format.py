@@ -9,7 +9,7 @@ Everything that sizes, offsets or pads segments asks this module.
 
 from __future__ import annotations
 
-FORMAT_VERSION = 1  # the segment packing; part of every namespace's fingerprint
+FORMAT_VERSION = 2  # the segment packing and its checksum (2: mixed sums); part of every namespace's fingerprint
 SEGMENT_ALIGN = 4096  # bytes: direct IO moves whole 4 KiB blocks
 
 

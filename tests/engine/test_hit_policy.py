@@ -18,9 +18,19 @@ def q(hit, prompt, *, asynchronous=True, step=8192, cap=None, chunk=256):
                     asynchronous=asynchronous, max_load_tokens=cap)
 
 
-def test_unmeasured_rates_load_everything():
+def test_unmeasured_rates_load_one_hit_at_a_time():
+    """A read rate not yet measured: a hit loads whole when no load is queued (it measures the
+    rate) and is recomputed otherwise (a burst of first hits does not pile onto a slow disk)."""
     assert CostModel().decide(q(8192, 8320), Rates(None, PREFILL)) == 8192
+    assert CostModel().decide(q(8192, 8320), Rates(None, PREFILL, queued_load_bytes=1 << 30)) == 0
     assert CostModel().decide(q(8192, 8320), Rates(1e9, None)) == 8192
+
+
+def test_an_old_rate_that_said_recompute_is_probed_again():
+    slow = dict(load_bytes_per_s=1.0e9, prefill_tokens_per_s=PREFILL)
+    assert CostModel().decide(q(8192, 8320), Rates(**slow, load_age_s=5.0)) == 0
+    assert CostModel().decide(q(8192, 8320), Rates(**slow, load_age_s=31.0)) == 8192
+    assert CostModel().decide(q(8192, 8320), Rates(**slow, load_age_s=31.0, queued_load_bytes=1)) == 0
 
 
 def test_async_fast_storage_loads_slow_storage_recomputes_when_idle():

@@ -677,3 +677,48 @@ def test_a_writer_that_could_not_map_everything_stores_through_the_file(tmp_path
     w.warm_up()
     assert not w.store.maps_every_slab and not w.stores.into_maps
     w.close()
+
+
+def test_keyed_tags_bind_the_rank(tmp_path, monkeypatch):
+    """Hardening round two, item 1: a segment's keyed tag binds the namespace it is right for
+    (rank, geometry, model), not only (key, layer, bytes). TP rank 1's slab and journal copied
+    into rank 0's namespace (what a group member without the secret can do) fail their tags
+    there: rank 1's heads are never served to rank 0. Rank 1 itself still loads them."""
+    import dataclasses
+    import shutil
+
+    monkeypatch.setenv("TUTTI_TEST_SECRET", "0123456789abcdef-secret")
+    kw = {"secret_env": "TUTTI_TEST_SECRET"}
+
+    def rank_worker(rank, caches):
+        v = views(caches)
+        layout = PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim"))
+        geom = dataclasses.replace(geometry(), tp_size=2, tp_rank=rank)
+        return build_worker(config(tmp_path, **kw), geom, caches=v, layout=layout, rank=rank)
+
+    src = make_caches(0)
+    w1 = rank_worker(1, src)
+    run_step(w1, StepPlan(1, stores=[StoreChunk("r", bytes([1]) * 32, 0, (0, 1), ticket=1)]))
+    w1.flush()
+    assert w1.take_report().stored == [1]
+    ns1 = w1.store.namespaces[0]
+    w1.close()
+    dst = make_caches(1)
+    w0 = rank_worker(0, dst)
+    ns0 = w0.store.namespaces[0]
+    w0.close()
+    assert ns0 != ns1
+    for name in os.listdir(ns1):  # rank 1's files over rank 0's (the manifest names its own namespace: kept)
+        if name.startswith("slab-") or name == "journal.bin":
+            shutil.copyfile(os.path.join(ns1, name), os.path.join(ns0, name))
+    before = [c.clone() for c in dst]
+    w0 = rank_worker(0, dst)
+    run_step(w0, StepPlan(2, loads=[LoadChunk("q", bytes([1]) * 32, 0, (8, 9))]))
+    assert w0.take_failed_blocks() == {8, 9}
+    assert all(torch.equal(d[[8, 9]], b[[8, 9]]) for d, b in zip(dst, before))
+    w0.close()
+    w1 = rank_worker(1, dst)
+    run_step(w1, StepPlan(3, loads=[LoadChunk("q", bytes([1]) * 32, 0, (8, 9))]))
+    assert w1.take_failed_blocks() == set()
+    assert all(torch.equal(d[[8, 9]], s[[0, 1]]) for d, s in zip(dst, src))
+    w1.close()

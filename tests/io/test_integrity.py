@@ -44,3 +44,12 @@ def test_tags_bind_secret_chunk_layer_and_bytes():
     assert t != a.tag(b"k" * 32, 4, data)  # another layer
     assert t != a.tag(b"k" * 32, 3, data[:-1] + b"\x01")  # one byte
     assert a.seed(b"s" * 32) != b.seed(b"s" * 32) != b"s" * 32
+
+
+def test_a_bound_tag_is_right_for_its_namespace_only():
+    mac = SegmentMac(b"k" * 32)
+    a, b = mac.bound("namespace-a"), mac.bound("namespace-b")
+    data = b"\x01" * 4096
+    assert a.tag(b"key", 0, data) == mac.bound(b"namespace-a").tag(b"key", 0, data)
+    assert len({a.tag(b"key", 0, data), b.tag(b"key", 0, data), mac.tag(b"key", 0, data)}) == 3
+    assert a.seed(b"s" * 32) == mac.seed(b"s" * 32)  # chunk keys do not depend on the rank

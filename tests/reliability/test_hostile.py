@@ -57,7 +57,7 @@ def test_planted_namespace_refused_and_forged_chunks_recomputed(tiny_model, tmp_
             harness.generate_ids(llm, [p], 4)
             harness.settle(llm)
     info = list_namespaces(str(tmp_path / "kv"))[0]
-    assert ("integrity", "blake2b-mac-64") in [tuple(x) for x in info.manifest["fingerprint"]["extra"]]
+    assert ("integrity", "blake2b-mac-64-bound") in [tuple(x) for x in info.manifest["fingerprint"]["extra"]]
     fp = Fingerprint.from_dict(info.manifest["fingerprint"])
     slot_bytes, seg = info.manifest["slot_bytes"], info.manifest["segment_bytes"]
     st = ChunkStore(str(tmp_path / "kv"), fp, capacity_bytes=16 << 20, writer=True)

@@ -252,3 +252,14 @@ def test_hit_policy_loads_or_recomputes_on_a_slow_store(tiny_model, tmp_path, re
     res, stats = run("test_connector:HalfPolicy", [p3], [p3], tmp_path / "kv2")
     assert res[0]["cached"] == 4 * CHUNK and stats["declined_hit_tokens"] == 5 * CHUNK, stats  # 9 chunks: 4 loaded
     assert res[0]["tokens"] == ref[2]
+
+
+def test_auto_staging_takes_every_store_of_back_to_back_full_steps(tiny_model, tmp_path):
+    """Staging left "auto" is sized from the geometry and vLLM's step budget (two steps of
+    stores): six prompts of 1000 tokens submitted at once fill six full steps of 1024 tokens
+    (16 chunks each) back to back, and every chunk is stored, none skipped. (The staging-full
+    path that skips and counts is tests/engine/test_worker.py's; here the defaults must hold.)"""
+    prompts = [prompt(60 + i, 1000) for i in range(6)]
+    res, stats = child_run(tiny_model, kv_config(tmp_path / "kv"), prompts, max_tokens=2)
+    assert stats["stores_skipped"] == 0 and stats["stores_failed"] == 0
+    assert stats["stores_committed"] == 6 * (1000 // CHUNK)

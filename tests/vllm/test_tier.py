@@ -224,3 +224,27 @@ def test_tutti_verify_checks_a_tier_store(tmp_path):
         f.write(bytes([b[0] ^ 1]))
     res = verify_store([str(tmp_path)], progress=False)
     assert len(res.mismatches) == 1 and "checksum mismatch" in res.mismatches[0].detail and res.mismatches[0].slot == 2
+
+
+def test_a_checkpoint_replaced_at_the_same_path_is_another_namespace(tmp_path):
+    """Hardening round two, item 6: the tier's namespace names the weights (compat.model_identity,
+    as the connector's does), so after a checkpoint is replaced under the same path its old
+    chunks are not hits; context parallelism is refused as the connector refuses it."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    digests = []
+    for weights in (b"old weights", b"new weights!"):
+        (model / "model.safetensors").write_bytes(weights)
+        cfg = VllmConfig()
+        cfg.model_config = SimpleNamespace(model=str(model), dtype="bfloat16", quantization=None, hf_overrides=None,
+                                           revision=None)
+        with set_current_vllm_config(cfg):
+            t = TuttiTier(spec(), memoryview(primary()), "TuttiTier", root=str(tmp_path / "t"), capacity_bytes="1MiB")
+        digests.append(t._store.fingerprint.digest())
+        t.shutdown()
+    assert digests[0] != digests[1]
+    cfg.parallel_config.decode_context_parallel_size = 2
+    with set_current_vllm_config(cfg), pytest.raises(ValueError, match="decode_context_parallel_size=2"):
+        TuttiTier(spec(), memoryview(primary()), "TuttiTier", root=str(tmp_path / "u"), capacity_bytes="1MiB")

@@ -274,6 +274,8 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
     check_geometry(cfg, geom)
     mac = segment_mac(cfg)  # the secret is read once per half, before any IO
     geom = with_integrity(geom, mac)
+    if mac is not None:  # tags right for this rank's namespace only (hardening round two, item 1)
+        mac = mac.bound(geom.fingerprint().digest())
     if layout.num_heads != geom.num_heads or layout.content_bytes != geom.content_bytes:
         raise ValueError(
             f"KV cache layout: found H={layout.num_heads}, C={layout.content_bytes} B per (head, token) in the "

@@ -47,6 +47,7 @@ class Rates:
     prefill_tokens_per_s: float | None  # the GPU's rate of computing prompt tokens
     queued_load_bytes: int = 0  # loads planned and not yet done (they are read first)
     prefill_backlog_tokens: int = 0  # prompt tokens known and not yet computed (computed first)
+    load_age_s: float | None = None  # seconds since a load last measured the read rate
 
 
 class HitPolicy(Protocol):
@@ -86,24 +87,36 @@ class CostModel:
     suffix tokens overlap, so the model follows the step budget S):
         t(m) = max((Q + m b) / R_load, c1 / R_prefill) + (n - m - c1) / R_prefill,  c1 = min(S, n - m)
 
-    Until both rates are measured it loads everything (that is how the read rate is measured).
-    Every candidate is evaluated, so it never chooses worse than "load all" or "recompute all"
-    in its own model.
+    Until the read rate is measured it loads a hit whole when no other load is queued (that is
+    how the rate gets measured) and recomputes otherwise, so a burst of first hits does not pile
+    onto a storage of unknown speed; until the prefill rate is measured it loads. A rate that
+    said "recompute" for `probe_after_s` is measured again with one hit (when no load is queued):
+    the storage may have become faster, or the writes that slowed it may have stopped. Every
+    candidate is evaluated, so it never chooses worse than "load all" or "recompute all" in its
+    own model.
     """
 
     name = "auto"
+
+    def __init__(self, probe_after_s: float = 30.0) -> None:
+        self.probe_after_s = probe_after_s
 
     def decide(self, q: HitQuery, rates: Rates) -> int:
         if q.hit_tokens <= 0:
             return 0
         rl, rp = rates.load_bytes_per_s, rates.prefill_tokens_per_s
-        if not rl or not rp or rl <= 0 or rp <= 0:
+        if not rl or rl <= 0:
+            return q.hit_tokens if rates.queued_load_bytes == 0 else 0
+        if not rp or rp <= 0:
             return q.hit_tokens
         best_m, best_t = 0, self.time(q, rates, 0)
         for m in candidates(q):
             t = self.time(q, rates, m)
             if t <= best_t * (1 + 1e-9):
                 best_m, best_t = m, t
+        if best_m == 0 and rates.queued_load_bytes == 0 and rates.load_age_s is not None \
+                and rates.load_age_s > self.probe_after_s:
+            return q.hit_tokens  # a probe: the rate is old
         return best_m
 
     @staticmethod
@@ -144,11 +157,19 @@ class RateMeter:
     max_gap_s: float = 5.0  # a longer gap between steps was an idle server, not a step
     _last_step: float | None = None
     _last_tokens: int = 0
+    _last_load: float | None = None
 
-    def on_loads(self, nbytes: int, seconds: float) -> None:
+    def on_loads(self, nbytes: int, seconds: float, now: float | None = None) -> None:
         if nbytes > 0 and seconds > 0:
             self.load_bytes = self.load_bytes * self.decay + nbytes
             self.load_seconds = self.load_seconds * self.decay + seconds
+            self._last_load = time.monotonic() if now is None else now
+
+    def load_age(self, now: float | None = None) -> float | None:
+        """Seconds since a load was last measured (None: never)."""
+        if self._last_load is None:
+            return None
+        return (time.monotonic() if now is None else now) - self._last_load
 
     def on_step(self, scheduled_tokens: int, now: float | None = None) -> None:
         """A step was scheduled: the time since the last one is the last one's duration (with

@@ -199,7 +199,7 @@ class Planner:
                      asynchronous=self.asynchronous, max_load_tokens=max_load_tokens)
         rates = Rates(self.meter.load_rate, self.meter.prefill_rate,
                       queued_load_bytes=self._unsent_load_bytes + sum(self._step_load_bytes.values()),
-                      prefill_backlog_tokens=max(0, self._backlog))
+                      prefill_backlog_tokens=max(0, self._backlog), load_age_s=self.meter.load_age())
         try:
             want = self.hit_policy.decide(q, rates)
         except Exception:  # noqa: BLE001 - a research policy's bug costs its hits, never the step

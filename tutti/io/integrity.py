@@ -74,13 +74,27 @@ def load_secret(*, file: str | None = None, env: str | None = None) -> bytes | N
 
 
 class SegmentMac:
-    """tag(chunk key, layer, bytes) -> unsigned 64-bit keyed BLAKE2b, and the keyed key seed."""
+    """tag(chunk key, layer, bytes) -> unsigned 64-bit keyed BLAKE2b, and the keyed key seed.
 
-    name = "blake2b-mac-64"
+    A tag also binds a context, the namespace digest of the reader it is right for (`bound`):
+    the digest names the rank (TP and PP), the geometry and the model, and not the writer, so
+    every writer of a namespace produces tags its readers check, while a segment copied from
+    another rank's namespace (another rank's heads or layers) fails its tag. Unbound tags (an
+    empty context) are for callers with one namespace per process (the tier binds its own)."""
 
-    def __init__(self, secret: bytes) -> None:
+    name = "blake2b-mac-64-bound"  # was blake2b-mac-64 (tags without a context): another namespace
+
+    def __init__(self, secret: bytes, context: bytes = b"") -> None:
         self._key = hashlib.blake2b(secret, digest_size=32, person=b"tutti-mackey").digest()
         self._seed_key = hashlib.blake2b(secret, digest_size=32, person=b"tutti-seedkey").digest()
+        self._context = bytes(context)
+
+    def bound(self, context: bytes | str) -> "SegmentMac":
+        """This tagger, with tags bound to `context` (a namespace digest)."""
+        out = object.__new__(SegmentMac)
+        out._key, out._seed_key = self._key, self._seed_key
+        out._context = context.encode() if isinstance(context, str) else bytes(context)
+        return out
 
     def seed(self, seed: bytes) -> bytes:
         """A chunk-key seed nobody without the secret can compute (keys are unguessable)."""
@@ -88,6 +102,8 @@ class SegmentMac:
 
     def tag(self, key: bytes, layer: int, data) -> int:
         h = hashlib.blake2b(digest_size=8, key=self._key, person=b"tutti-seg")
+        h.update(len(self._context).to_bytes(2, "little"))
+        h.update(self._context)
         h.update(key)
         h.update(layer.to_bytes(4, "little"))
         h.update(data)  # hashlib releases the GIL for large buffers

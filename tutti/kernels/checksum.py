@@ -1,9 +1,14 @@
-"""Per-segment checksum (docs/format.md): a position-weighted Fletcher-style sum of uint32 words.
+"""Per-segment checksum (docs/format.md, format 2): two sums of mixed uint32 words.
 
 Computed on the GPU right after gather and checked after loads, so a torn or misplaced
-write of a stored segment is caught before its KV reaches the model. Position weighting
-catches swapped words that a plain sum would miss. Integer sums are exact, so the torch and
-Triton variants agree bit for bit on any device.
+write of a stored segment is caught before its KV reaches the model. Each word is first
+tied to its position and then mixed by the MurmurHash3 finalizer (a bijection whose every
+output bit depends on every input bit), so a change in any word moves the sums by a
+pseudo-random amount: two flipped bits, paired flips of the top bit or a wrong 64-bit lane
+cancel with odds near 2^-64, where format 1's linear sums (sum, position-weighted sum) missed
+8e-4 of random 2-bit errors and every paired bit-31 flip. Still a handful of integer ops per
+word of a memory-bound pass. Integer arithmetic is exact, so the torch and Triton variants
+agree bit for bit on any device.
 """
 
 from __future__ import annotations
@@ -15,6 +20,18 @@ import triton
 import triton.language as tl
 
 _MASK32 = 0xFFFFFFFF
+_POS = 0x9E3779B9  # position tie: x = w ^ (POS * (i + 1))
+_M1, _M2 = 0x85EBCA6B, 0xC2B2AE35  # MurmurHash3 fmix32
+_SALT2 = 0x68E31DA4  # the second sum mixes a_i + SALT2 again
+
+
+def _fmix_torch(x: torch.Tensor) -> torch.Tensor:
+    """fmix32 of int64 values in [0, 2^32): products wrap mod 2^64, masked back to 32 bits."""
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * _M2) & _MASK32
+    return x ^ (x >> 16)
 
 
 def _check(segments: torch.Tensor) -> torch.Tensor:
@@ -43,14 +60,25 @@ def segment_checksum_torch(segments: torch.Tensor, *, rows_per_step: int = 64) -
     if m == 0:
         return torch.zeros(out_shape, dtype=torch.int64, device=segments.device)
     nw = s // 4
-    weights = torch.arange(1, nw + 1, dtype=torch.int64, device=seg.device)
+    pos = (torch.arange(1, nw + 1, dtype=torch.int64, device=seg.device) * _POS) & _MASK32
     s1 = torch.empty(m, dtype=torch.int64, device=seg.device)
     s2 = torch.empty(m, dtype=torch.int64, device=seg.device)
-    for i in range(0, m, rows_per_step):  # bounded temporaries: 16 bytes per word
+    for i in range(0, m, rows_per_step):  # bounded temporaries
         w = seg[i : i + rows_per_step].view(torch.int32).to(torch.int64) & _MASK32
-        s1[i : i + rows_per_step] = w.sum(-1)
-        s2[i : i + rows_per_step] = (w * weights).sum(-1)
+        a = _fmix_torch(w ^ pos)
+        b = _fmix_torch((a + _SALT2) & _MASK32)
+        s1[i : i + rows_per_step] = a.sum(-1)
+        s2[i : i + rows_per_step] = b.sum(-1)
     return _combine(s1, s2, out_shape)
+
+
+@triton.jit
+def _fmix(x):
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
 
 
 @triton.jit
@@ -68,8 +96,10 @@ def _checksum_kernel(seg_ptr, seg_stride, nwords, words_per_split, part_ptr, BLO
         i = lo + start + tl.arange(0, BLOCK).to(tl.int64)
         mask = (i < nwords) & (i < lo + words_per_split)
         w = tl.load(base + i, mask=mask, other=0).to(tl.uint32, bitcast=True)
-        acc1 += w
-        acc2 += (i + 1).to(tl.uint32) * w
+        a = _fmix(w ^ ((i + 1).to(tl.uint32) * 0x9E3779B9))
+        b = _fmix(a + 0x68E31DA4)
+        acc1 += tl.where(mask, a, 0)
+        acc2 += tl.where(mask, b, 0)
     out = part_ptr + (row * nsplit + split) * 2
     tl.store(out, tl.sum(acc1, axis=0).to(tl.int64))
     tl.store(out + 1, tl.sum(acc2, axis=0).to(tl.int64))

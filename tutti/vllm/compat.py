@@ -707,3 +707,4 @@ def max_load_tokens(request: Any) -> int | None:
                        getattr(request, "request_id", "?"), v)
         return None
     return v
+

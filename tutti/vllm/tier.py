@@ -118,6 +118,8 @@ class TuttiTier(SecondaryTierManager):
         secret = load_secret(file=config.get("secret_file") or None, env=config.get("secret_env") or None)
         self._mac = SegmentMac(secret) if secret is not None else None
         fp = self._fingerprint(offloading_spec, config.get("kv_cache_dtype"))
+        if self._mac is not None:
+            self._mac = self._mac.bound(fp.digest())  # tags right for this namespace (rank) only
         rank = getattr(getattr(getattr(offloading_spec, "config", None), "parallel", None), "rank", 0) or 0
         direct = config.get("direct", True)
         if not isinstance(direct, bool):
@@ -164,7 +166,25 @@ class TuttiTier(SecondaryTierManager):
             tp_rank=int(getattr(par, "rank", 0) or 0), tp_size=int(getattr(par, "tp_size", 1) or 1),
             pp_rank=0, pp_size=int(getattr(par, "pp_size", 1) or 1),
             extra=(("layout", "vllm-offload-chunk"), ("tokens_per_block", ",".join(map(str, tokens))),
-                   ("integrity", CRC_TAG if self._mac is None else SegmentMac.name)))
+                   ("integrity", CRC_TAG if self._mac is None else SegmentMac.name), *self._identity()))
+
+    @staticmethod
+    def _identity() -> tuple[tuple[str, str], ...]:
+        """What the model's name does not say (hardening round two, item 6), from vLLM's config
+        where it is reachable: the weights' identity (a checkpoint replaced at the same path is
+        another namespace) and the context-parallel sizes (refused above 1, as the connector does)."""
+        vcfg = compat.constructing_vllm_config()
+        if vcfg is None or getattr(getattr(vcfg, "model_config", None), "model", None) is None:
+            return ()
+        out = []
+        try:
+            out.append(("model_id", compat.model_identity(vcfg)))
+        except Exception as exc:  # noqa: BLE001 - an unreadable model folder: say so, keep the name
+            logger.warning("tutti tier: the model's weights cannot be identified (%s); chunks are keyed by its name", exc)
+        pc = getattr(vcfg, "parallel_config", None)
+        if pc is not None:
+            compat.check_context_parallel(pc)
+        return tuple(out)
 
     def _key(self, key: bytes) -> bytes:
         return hashlib.blake2b(bytes(key), digest_size=32, person=b"tutti-tier").digest()
