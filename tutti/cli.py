@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from tutti.storetools import (  # noqa: F401 - the store commands live there (some names re-exported)
-    EXIT_FAILED, EXIT_OK, EXIT_USAGE, CliError, Mismatch, StoreNamespace, ToolError, VerifyResult,
-    _errname, _inspect_text, _size, inspect_data, inspect_lines, open_namespaces, verify_store,
+from tutti.storetools import (  # the store commands live there
+    EXIT_FAILED, EXIT_OK, EXIT_USAGE, CliError, ToolError, _errname, _inspect_text, _size, inspect_data,
+    verify_store,
 )
 
 # ---- bench -------------------------------------------------------------------------------------

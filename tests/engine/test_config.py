@@ -217,3 +217,22 @@ def test_context_parallelism_is_refused_by_name():
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         with pytest.raises(ValueError, match=f"{name}=2: context parallelism is not supported"):
             compat.check_context_parallel(SimpleNamespace(**{name: 2}))
+
+
+def test_round_two_small_config_items(monkeypatch):
+    """Round two, item 9: a list as io_backend and a NUL in share_group are refused naming the
+    key; two long host names that share their first 48 characters get different writer ids."""
+    import socket
+
+    from tutti.engine.config import ConfigError, EngineConfig, resolve_writer_id
+
+    base = {"root": "/tmp/x", "capacity_bytes": "1GiB"}
+    with pytest.raises(ConfigError, match=r"io_backend=\['uring'\]: expected a name"):
+        EngineConfig.from_dict({**base, "io_backend": ["uring"]})
+    with pytest.raises(ConfigError, match="share_group='a\\\\x00b': a group name has no NUL"):
+        EngineConfig.from_dict({**base, "share_group": "a\x00b", "secret_env": "X"})
+    ids = set()
+    for tail in ("node-a", "node-b"):
+        monkeypatch.setattr(socket, "gethostname", lambda tail=tail: "x" * 50 + tail)
+        ids.add(resolve_writer_id("{host}"))
+    assert len(ids) == 2 and all(len(i) <= 64 for i in ids)

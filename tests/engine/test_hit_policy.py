@@ -121,6 +121,8 @@ def test_rate_meter_ignores_decode_steps_and_idle_gaps():
     m.on_loads(2 << 30, 1.0)
     m.on_loads(0, 0.0)
     assert m.load_rate == pytest.approx(2 << 30)
+    m.on_loads(1 << 30, 0.0)  # a layer-wise load the forward never waited for: fast storage
+    assert m.load_rate > 2.9 * (1 << 30)
 
 
 def planner(policy, chunk=32, slot_bytes=32 * 1000):
@@ -148,7 +150,8 @@ def test_planner_loads_what_the_policy_chose_and_counts_the_rest():
     plan = p.build_step({}, {})
     assert len(plan.async_loads) == 3  # chunks 0..2 only
     assert sum(p._step_load_bytes.values()) == 3 * 32 * 1000  # queued until reported done
-    p.on_report(WorkerReport(steps_done=[plan.async_step], bytes_loaded=3 * 32000, load_seconds=0.5))
+    p.on_report(WorkerReport(steps_done=[plan.async_step], bytes_loaded=3 * 32000, load_seconds=0.5,
+                             load_wait_seconds=0.5))
     assert not p._step_load_bytes and p.meter.load_rate == pytest.approx(3 * 32000 / 0.5)
 
 

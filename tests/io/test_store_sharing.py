@@ -147,3 +147,74 @@ def test_a_group_member_without_the_secret_cannot_forge_kv(scratch):
     forged = as_user(MALLORY, [GROUP], put_chunk, scratch, SHARED, 0, 0, SegmentMac(b"m" * 32), 9)
     assert forged == ("ok", [0]), forged
     assert as_user(BOB, [GROUP], verify_all, scratch, SHARED, mac) == ("ok", {0: False})
+
+
+def open_named(root, access, writer_id, writer=True):
+    return ChunkStore(root, make_fp(), capacity_bytes=8 * 3 * SEG, writer=writer, access=access, writer_id=writer_id)
+
+
+def put_named(root, slot):
+    mac = SegmentMac(SECRET)
+    with open_named(root, SHARED, "alice") as st:
+        key = chunk_key(slot)
+        tags = []
+        for layer in range(3):
+            data = layer_bytes(key, layer, SEG)
+            fd, off = st.location(slot, layer)
+            pwrite_all(fd, data, off)
+            tags.append(mac.tag(key, layer, data))
+        st.record_free([slot])
+        st.sync_journal()
+        st.sync_data([slot])
+        st.record_put(key, slot, tags)
+        st.sync_journal()
+        return st.namespaces[0]
+
+
+def squat(ns):
+    """What a member without the secret tries against another member's writer directory."""
+    import fcntl
+
+    out = {}
+    for name, flags in (("LOCK", os.O_RDONLY), ("manifest.json", os.O_WRONLY), ("slab-0.bin", os.O_WRONLY)):
+        try:
+            fd = os.open(os.path.join(ns, name), flags)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB) if name == "LOCK" else os.write(fd, b"x")
+                out[name] = "done"
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            out[name] = exc.errno
+    try:
+        os.rename(os.path.join(ns, "manifest.json"), os.path.join(ns, "m.old"))
+        out["rename"] = "done"
+    except OSError as exc:
+        out["rename"] = exc.errno
+    return out
+
+
+def reads(root):
+    with open_named(root, SHARED, "alice", writer=False) as st:
+        return sorted(st.entries())
+
+
+def test_a_member_cannot_lock_replace_or_write_a_named_writers_directory(scratch):
+    """Round two, item 2b: a named writer's directory (w-<id>) is its owner's to write (2750,
+    files 0640, LOCK 0600): another member of the group reads its chunks (and serves them
+    against their tags) but can neither hold its LOCK (stopping its restart), nor overwrite or
+    replace its manifest, nor write its slabs. The namespace directory stays group-writable."""
+    import errno
+
+    res = as_user(ALICE, [GROUP], put_named, scratch, 3)
+    assert res[0] == "ok", res
+    ns = res[1]
+    assert as_user(BOB, [GROUP], reads, scratch) == ("ok", [3])
+    assert as_user(BOB, [GROUP], squat, ns) == ("ok", {"LOCK": errno.EACCES, "manifest.json": errno.EACCES,
+                                                      "slab-0.bin": errno.EACCES, "rename": errno.EACCES})
+    assert as_user(ALICE, [GROUP], put_named, scratch, 4)[0] == "ok"  # Alice restarts as the writer
+    got = as_user(ALICE, [GROUP], modes, scratch)[1]
+    writer_dir = os.path.relpath(ns, scratch)
+    assert got[writer_dir][0] == 0o2750 and got[os.path.dirname(writer_dir)][0] == 0o2770
+    assert got[os.path.join(writer_dir, "LOCK")][0] == 0o600
+    assert got[os.path.join(writer_dir, "manifest.json")][0] == 0o640

@@ -113,11 +113,17 @@ ROUND_TWO = [
     "| # | Finding | Status | Test (fails without the fix) |",
     "|---|---|---|---|",
     "| 1 | keyed tags do not bind the TP/PP rank: a group member can copy rank 1's files into rank 0's "
-    "namespace | open: the tag format (and its integrity name) must change with it; not done this round | - |",
+    "namespace | fixed: a tag binds the namespace digest it is right for (rank, geometry, model; not the writer), "
+    "integrity `blake2b-mac-64-bound` (old keyed stores form another namespace) | "
+    "tests/engine/test_worker.py::test_keyed_tags_bind_the_rank |",
     "| 2 | another writer's manifest `slots_per_slab` 0/null/'64'/[] crashed the reader's step | fixed: validated "
     "on read, any failure of another writer's files fails that writer's chunks | "
     "tests/engine/test_sharing.py::test_another_writers_damaged_files_fail_its_chunks_never_the_step |",
-    "| 2b | a member can hold `flock` on another member's group-writable LOCK or overwrite its manifest | open | - |",
+    "| 2b | a member can hold `flock` on another member's group-writable LOCK or overwrite its manifest | fixed for "
+    "named writers (`writer_id`, what replicas use): their directory is 2750, files 0640, LOCK 0600; left by design "
+    "for the namespace's only writer (`writer_id` ''), a role the group's members take in turns over group-writable "
+    "files whose every byte is checked against its keyed tag | "
+    "tests/io/test_store_sharing.py::test_a_member_cannot_lock_replace_or_write_a_named_writers_directory |",
     "| 3 | mapped loads with a secret checked one read and copied another | fixed: no mapped loads with a secret "
     "(the file path verifies the staged copy the GPU receives) | tests/engine/test_worker.py::test_a_secret_turns_mapped_loads_off |",
     "| 4 | SIGBUS: a slab truncated under its mapping | fixed for our own slabs (fstat before every mapped view: "
@@ -125,12 +131,19 @@ ROUND_TWO = [
     "tests/engine/test_worker.py::test_a_mapped_slab_that_shrank_is_never_touched |",
     "| 5 | a refused foreign journal raised out of `start_step` | fixed: per-writer failures in the step's refresh "
     "fail that writer's chunks | tests/engine/test_sharing.py (the `journal hard link` case) |",
-    "| 6 | the tier's namespace misses the weights' identity, CP sizes, layer names, layout | open | - |",
+    "| 6 | the tier's namespace misses the weights' identity, CP sizes, layer names, layout | fixed: the weights' "
+    "identity (as the connector's) and CP > 1 refused; left: layer names and layout, which the tier's bytes (vLLM's "
+    "own CPU-tier blocks, `vllm-offload-chunk`) do not depend on beyond the chunk size already named | "
+    "tests/vllm/test_tier.py::test_a_checkpoint_replaced_at_the_same_path_is_another_namespace |",
     "| 7 | `verify_checksums: false` with `writer_id` | fixed: refused at start, naming both | "
     "tests/engine/test_config.py::test_checksums_off_is_refused_where_writers_share_a_root |",
-    "| 8 | the layer-wise checksum's blind spots | open: needs a GPU-speed replacement measured on the H200 | - |",
+    "| 8 | the layer-wise checksum's blind spots | fixed: format 2, two sums of position-tied MurmurHash3-mixed "
+    "words (a few integer ops a word of a memory-bound pass; its H200 cost is not measured yet) | "
+    "tests/kernels/test_checksum.py::test_no_blind_spots_of_the_linear_sums |",
     "| 9 | small items (stale tier slot, inode reuse, moved writer dirs, `{host}` cut, follow cost, list "
-    "io_backend, NUL in share_group) | open | - |",
+    "io_backend, NUL in share_group) | fixed: `{host}` cut keeps a hash of the whole name, a list io_backend and a "
+    "NUL in share_group refused naming the key; open: stale tier slot, inode reuse, moved writer dirs, follow cost | "
+    "tests/engine/test_config.py::test_round_two_small_config_items |",
     "| 10 | context parallelism (DCP/PCP > 1) | refused at start, naming the size (not in the fingerprint: "
     "nothing with them can start) | tests/engine/test_config.py::test_context_parallelism_is_refused_by_name |",
     "| - | a load failing its checksum under vLLM's asynchronous scheduler gave wrong tokens (#25) | fixed: "

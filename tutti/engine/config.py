@@ -121,7 +121,11 @@ def resolve_writer_id(value: Any) -> str:
     key = "writer_id"
     if not isinstance(value, str):
         raise ConfigError(f"{key}={value!r}: expected a string such as \"{{host}}\" or \"replica-0\"")
-    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:48]
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())
+    if len(host) > 48:  # cut, but two long names that share 48 characters must not share an id
+        import hashlib
+
+        host = host[:39] + "-" + hashlib.sha256(host.encode()).hexdigest()[:8]
     out = value.replace("{host}", host)
     if out and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", out):
         raise ConfigError(f"{key}={value!r}: expected 1-64 of A-Z a-z 0-9 . _ - after expanding {{host}} "
@@ -137,6 +141,9 @@ def resolve_group(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value in ("", -1):
         raise ConfigError(f"{key}={value!r}: expected the name (or number) of a group every sharing user belongs to, "
                          "e.g. \"kvshare\"")
+    if isinstance(value, str) and ("\0" in value or not value.isprintable()):
+        raise ConfigError(f"{key}={value!r}: a group name has no NUL or control characters; give the group's name "
+                         "or number, e.g. \"kvshare\"")
     try:
         gid = grp.getgrnam(value).gr_gid if isinstance(value, str) and not value.isdigit() else int(value)
     except KeyError:
@@ -330,6 +337,9 @@ class EngineConfig:
             kw["hit_policy"] = v
         if "io_backend" in raw:
             v = raw.pop("io_backend")
+            if not isinstance(v, str):
+                raise ConfigError(f"io_backend={v!r}: expected a name (\"auto\", \"uring\", \"threads\", \"nvme\", a "
+                                  "registered name) or \"package.module:attr\"")
             if v != "auto":
                 from tutti.io.queue import resolve_backend
 

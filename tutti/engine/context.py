@@ -189,7 +189,8 @@ class Counters:
     def add_locked(self, **amounts: float) -> None:
         for name, v in amounts.items():
             setattr(self.report, name, getattr(self.report, name) + v)
-            self._stats[name] += v
+            if name in self._stats:  # the rest go to the scheduler only (load_wait_seconds)
+                self._stats[name] += v
 
     def take_stats(self) -> dict[str, float]:
         with self.lock:

@@ -160,9 +160,11 @@ class RateMeter:
     _last_load: float | None = None
 
     def on_loads(self, nbytes: int, seconds: float, now: float | None = None) -> None:
-        if nbytes > 0 and seconds > 0:
+        """`seconds`: what the loads cost their requests; about 0 for a layer-wise load that hid
+        under compute entirely (the storage was then faster than needed: a high rate)."""
+        if nbytes > 0 and seconds >= 0:
             self.load_bytes = self.load_bytes * self.decay + nbytes
-            self.load_seconds = self.load_seconds * self.decay + seconds
+            self.load_seconds = self.load_seconds * self.decay + max(seconds, 1e-6)
             self._last_load = time.monotonic() if now is None else now
 
     def load_age(self, now: float | None = None) -> float | None:

@@ -74,6 +74,7 @@ class LoadPipeline:
         self._mapped_ready: object = None  # CUDA event: the chunk-major loads from mapped slabs are scattered
         self._mapped_pending = False  # chunk-major loads issued that no wait_layer has waited for yet
         self._t0 = 0.0
+        self._waited, self._layerwise = 0.0, False  # the forward's waits of a layer-wise load
         self.trace: list[tuple[str, int, float]] | None = None
 
     # ---------------------------------------------------------------- step
@@ -106,6 +107,7 @@ class LoadPipeline:
         if not self._loads:
             return
         self._t0 = time.perf_counter()
+        self._waited, self._layerwise = 0.0, layerwise
         if ctx.cuda:
             # blocks just handed to these requests may still be in use by work already queued
             # on the compute stream (a freed request's last step): scatter only after it
@@ -231,6 +233,7 @@ class LoadPipeline:
                 torch.cuda.current_stream(self.ctx.device).wait_event(self._mapped_ready)
         if not self._items:
             return
+        t_wait = time.perf_counter()
         with nvtx_range("load_wait", layer):
             while self._next_process < len(self._items) and self._items[self._next_process].layer <= layer:
                 self._pump(self._items[self._next_process].layer)
@@ -242,6 +245,7 @@ class LoadPipeline:
                 ev = self._layer_events.pop(l)  # the load stream is in order: the last one covers the rest
             if ev is not None:
                 torch.cuda.current_stream(self.ctx.device).wait_event(ev)
+        self._waited += time.perf_counter() - t_wait
         if self.trace is not None and len(self.trace) < 100_000:
             self.trace.append(("ready", layer, time.perf_counter()))
 
@@ -263,7 +267,8 @@ class LoadPipeline:
                         "hook ran for them); vLLM recomputes them", n_layers, len(self._loads))
             for ld in self._loads:
                 self._fail(ld, "the forward pass did not wait for this load")
-        self.counters.add(load_seconds=time.perf_counter() - self._t0)
+        span = time.perf_counter() - self._t0
+        self.counters.add(load_seconds=span, load_wait_seconds=self._waited if self._layerwise else span)
         if self._bad is not None:
             if self.ctx.cuda:
                 with torch.cuda.stream(self.stream):

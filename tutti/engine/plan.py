@@ -70,6 +70,10 @@ class WorkerReport:
     load_seconds: float = 0.0
     store_seconds: float = 0.0
     stores_skipped: int = 0
+    # of load_seconds, what the loads cost their requests: all of an asynchronous or whole-step
+    # load, only the forward's waits of a layer-wise one (the rest hid under compute); the hit
+    # policy's read rate is bytes_loaded over this
+    load_wait_seconds: float = 0.0
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
         return WorkerReport(
@@ -83,6 +87,7 @@ class WorkerReport:
             load_seconds=self.load_seconds + other.load_seconds,
             store_seconds=self.store_seconds + other.store_seconds,
             stores_skipped=self.stores_skipped + other.stores_skipped,
+            load_wait_seconds=self.load_wait_seconds + other.load_wait_seconds,
         )
 
     def is_empty(self) -> bool:

@@ -475,7 +475,7 @@ class Planner:
         s.load_seconds += report.load_seconds
         s.store_seconds += report.store_seconds
         s.stores_skipped += report.stores_skipped
-        self.meter.on_loads(report.bytes_loaded, report.load_seconds)
+        self.meter.on_loads(report.bytes_loaded, report.load_wait_seconds)
         for t in report.store_failed:
             tk = self._tickets.pop(t, None)
             if tk is not None and self.index.abort(tk.key):

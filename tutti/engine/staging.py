@@ -72,14 +72,6 @@ class StagingRing:
             slot.busy_until.synchronize()  # the consumer of its last contents (already enqueued) finishes
             slot.busy_until = None
 
-    def acquire(self, timeout: float | None = None) -> StagingSlot:
-        with self._cv:
-            if not self._cv.wait_for(lambda: bool(self._free), timeout):
-                raise TimeoutError("staging ring: no free slot")
-        slot = self.try_acquire()
-        assert slot is not None
-        return slot
-
     def acquire_all(self) -> list[StagingSlot] | None:
         """Every slot at once (one contiguous span, for a user that needs more than a slot), or
         None if any is held. No host wait (see try_acquire's `wait_host`)."""

@@ -43,6 +43,11 @@ class Access:
     """
 
     gid: int | None = None
+    # False: what this creates is the group's to read, not to write (2750 / 0640): a named
+    # writer's own directory in a shared namespace, which no other member may lock, replace or
+    # write (hardening round two, item 2b). True: the namespace's only writer, a role the
+    # group's members take in turns, so its files stay group-writable (their tags are checked).
+    group_write: bool = True
 
     @property
     def shared(self) -> bool:
@@ -50,15 +55,24 @@ class Access:
 
     @property
     def dir_mode(self) -> int:
-        return 0o2770 if self.shared else DIR_MODE
+        if not self.shared:
+            return DIR_MODE
+        return 0o2770 if self.group_write else 0o2750
 
     @property
     def file_mode(self) -> int:
-        return 0o660 if self.shared else FILE_MODE
+        if not self.shared:
+            return FILE_MODE
+        return 0o660 if self.group_write else 0o640
 
-    def adopt(self, fd: int) -> None:
+    def owner_writes(self) -> "Access":
+        """This access, with what it creates writable by its owner only."""
+        return Access(self.gid, group_write=False) if self.shared else self
+
+    def adopt(self, fd: int, mode: int | None = None) -> None:
         """Give a descriptor this process just created the group and mode (the umask may have
-        removed group bits). Private: nothing to do (the create mode is already the narrowest)."""
+        removed group bits); `mode`: a file's own (narrower) mode. Private: nothing to do (the
+        create mode is already the narrowest)."""
         if not self.shared:
             return
         st = os.fstat(fd)
@@ -66,7 +80,7 @@ class Access:
             return
         if st.st_gid != self.gid:
             os.fchown(fd, -1, self.gid)
-        want = self.dir_mode if stat.S_ISDIR(st.st_mode) else self.file_mode
+        want = self.dir_mode if stat.S_ISDIR(st.st_mode) else (self.file_mode if mode is None else mode)
         if stat.S_IMODE(st.st_mode) != want:
             os.fchmod(fd, want)
 
@@ -140,6 +154,7 @@ def open_file(name: str, flags: int, *, dir_fd: int | None = None, mode: int | N
     (O_NONBLOCK for the open only); then `check_fd` unless check=False. A file this call may
     have created (O_CREAT) gets `access`'s group and mode; `mode` defaults to `access.file_mode`."""
     where = where or name
+    own_mode = mode
     mode = access.file_mode if mode is None else mode
     try:
         fd = os.open(name, flags | _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK, mode, dir_fd=dir_fd)
@@ -152,7 +167,7 @@ def open_file(name: str, flags: int, *, dir_fd: int | None = None, mode: int | N
         raise
     try:
         if flags & os.O_CREAT and access.shared:
-            access.adopt(fd)
+            access.adopt(fd, own_mode)
         if check:
             check_fd(fd, where, access=access)
         if not flags & _O_NONBLOCK:

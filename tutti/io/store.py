@@ -188,6 +188,11 @@ class ChunkStore:
             raise ValueError(f"writer_id={writer_id!r}: expected '' (the namespace's only writer) or 1-64 of "
                              "A-Z a-z 0-9 . _ - (one per server sharing the store, stable across its restarts)")
         self.writer_id = writer_id
+        # The namespace directory stays the group's to write (other members add their writer
+        # directories to it); a named writer's own directory and files are its owner's to write.
+        self._ns_access = access
+        if writer_id:
+            self.access = access.owner_writes()
         # A writer's files live in its own directory of the namespace: `w-<writer_id>/` when
         # servers share it, the namespace directory itself for the only writer (writer_id '').
         self.namespaces = tuple(os.path.join(r, NAMESPACE_PREFIX + self.digest, *([WRITER_PREFIX + writer_id]
@@ -290,15 +295,16 @@ class ChunkStore:
     def _walk_namespace(self, i: int, need: int) -> int | None:
         """Root i's namespace directory and, for a named writer, its own directory inside it:
         the descriptor every file of this store is opened relative to (None: not there yet)."""
-        fd = self._child_dir(self._root_fds[i], os.path.join(self.roots[i], NAMESPACE_PREFIX + self.digest), need)
+        fd = self._child_dir(self._root_fds[i], os.path.join(self.roots[i], NAMESPACE_PREFIX + self.digest), need,
+                             self._ns_access)
         if fd is None or not self.writer_id:
             return fd
         try:  # this writer's own directory inside the shared namespace
-            return self._child_dir(fd, self.namespaces[i], need)
+            return self._child_dir(fd, self.namespaces[i], need, self.access)
         finally:
             os.close(fd)
 
-    def _child_dir(self, parent_fd: int, path: str, need: int) -> int | None:
+    def _child_dir(self, parent_fd: int, path: str, need: int, access) -> int | None:
         """Open directory `path` (its basename under `parent_fd`), creating it for a writer;
         None for a reader when it does not exist yet. Never through a link; checked like any
         store directory."""
@@ -316,7 +322,7 @@ class ChunkStore:
         if st is not None and not stat.S_ISDIR(st.st_mode):
             raise StoreRootError(f"namespace {path!r}: exists but is not a directory; remove that file")
         try:
-            fd = open_dir(name, dir_fd=parent_fd, create=st is None, access=self.access, where=f"namespace {path!r}")
+            fd = open_dir(name, dir_fd=parent_fd, create=st is None, access=access, where=f"namespace {path!r}")
         except UnsafeFileError:
             raise
         except OSError as exc:
@@ -332,8 +338,10 @@ class ChunkStore:
     def _lock(self, i: int) -> None:
         path = os.path.join(self.namespaces[i], LOCK)
         # no O_TRUNC: keep the holder's pid; never a link (it would truncate another user's file)
+        # A named writer's LOCK is its owner's alone (0600): a group member who could open it
+        # could hold its flock and keep the writer from restarting (round two, item 2b).
         fd = open_file(LOCK, os.O_RDWR | os.O_CREAT, dir_fd=self._ns_fds[i], access=self.access,
-                       where=f"lock file {path!r}")
+                       mode=0o600 if self.writer_id and self.access.shared else None, where=f"lock file {path!r}")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
