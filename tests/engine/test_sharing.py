@@ -181,3 +181,56 @@ def test_another_writers_damaged_files_fail_its_chunks_never_the_step(tmp_path, 
     finally:
         a.close()
         b.close()
+
+
+class AutoServer(Server):
+    """A server from the shared config with no writer id: its worker first (as vLLM builds them),
+    then its scheduler, which learns the slot the worker took under vLLM's engine id."""
+
+    def __init__(self, root, engine_id, seed):
+        self.caches = make_caches(seed)
+        v = views(self.caches)
+        layout = PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim"))
+        c = cfg(root, "auto")
+        self.worker = build_worker(c, geometry(), caches=v, layout=layout, engine_id=engine_id)
+        self.planner = build_planner(c, geometry(), engine_id=engine_id)
+
+
+def test_identical_configs_find_their_own_writer_slots(tmp_path):
+    """#29 item 2: replicas from one config. The first server takes the namespace's writer slot,
+    the second (its lock held) auto-1, each with its own lock and files; the second hits what the
+    first stored; a restart takes the slot its owner left."""
+    import time
+
+    a = AutoServer(tmp_path, "engine-a", 0)
+    b = AutoServer(tmp_path, "engine-b", 1)
+    try:
+        assert (a.worker.cfg.writer_id, b.worker.cfg.writer_id) == ("", "auto-1")
+        p = prompt(5, 2)
+        assert a.request("r1", p, list(range(0, 2 * BPC + 1)))[0] == 0
+        time.sleep(0.3)  # past the follow interval
+        hit, failed, _ = b.request("r2", p, list(range(10, 10 + 2 * BPC + 1)))
+        assert hit == 2 * T and failed == set()
+        assert list_writers(str(tmp_path), geometry().fingerprint()) == ["", "auto-1"]
+    finally:
+        b.close()
+    c = AutoServer(tmp_path, "engine-c", 2)
+    try:
+        assert c.worker.cfg.writer_id == "auto-1"
+    finally:
+        c.close()
+        a.close()
+
+
+def test_auto_with_several_workers_takes_only_the_namespaces_slot(tmp_path):
+    import dataclasses
+
+    geom = dataclasses.replace(geometry(), tp_size=2, tp_rank=0)
+    v = views(make_caches(0))
+    layout = PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim"))
+    first = build_worker(cfg(tmp_path, "auto"), geom, caches=v, layout=layout, engine_id="e1")
+    try:
+        with pytest.raises(StoreLockedError, match=r"each rank would pick its slot on its own; give each server"):
+            build_worker(cfg(tmp_path, "auto"), geom, caches=views(make_caches(1)), layout=layout, engine_id="e2")
+    finally:
+        first.close()

@@ -1,7 +1,8 @@
-"""Many servers, one store: three real vLLM engines in separate processes on one root, each
-with its own writer id. What one stores is a hit on the others while all run; nothing is
-stored twice; a server killed mid-run leaves its chunks readable and takes them back on restart
-under the same id; outputs equal recompute throughout."""
+"""Many servers, one store: three real vLLM engines in separate processes on one root, all from
+one configuration (no writer id: each finds a writer slot of its own, tutti.engine.claims).
+What one stores is a hit on the others while all run; nothing is stored twice; a server killed
+mid-run leaves its chunks readable and a restart takes a free slot back; outputs equal
+recompute throughout."""
 
 from __future__ import annotations
 
@@ -41,11 +42,11 @@ harness.shutdown_llm(llm)
 
 
 class Proc:
-    def __init__(self, model, root, writer):
+    def __init__(self, model, root):
         repo = Path(__file__).resolve().parents[2]
         env = dict(os.environ, **harness.ENV_DEFAULTS)
         env["PYTHONPATH"] = os.pathsep.join([str(repo), str(repo / "tests" / "vllm"), env.get("PYTHONPATH", "")])
-        kvt = kv_config(root, writer_id=writer, follow_interval_s=0.1)
+        kvt = kv_config(root, follow_interval_s=0.1)  # the same for every server
         self.p = subprocess.Popen([sys.executable, "-c", SERVER.format(model=str(model), kvt=kvt)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=env, cwd=str(repo))
@@ -82,11 +83,12 @@ def test_three_servers_share_one_store(tiny_model, tmp_path, report):
     root = tmp_path / "kv"
     p1 = [prompt(1100 + i, PROMPT_LEN) for i in range(2)]
     p2 = [prompt(1200 + i, PROMPT_LEN) for i in range(2)]
-    servers = {w: Proc(tiny_model, root, w) for w in ("a", "b", "c")}
+    servers = {}
     try:
-        want = reference(tiny_model, p1 + p2, 4)  # meanwhile the servers start
-        for s in servers.values():
-            s.wait_ready()
+        for w in ("a", "b", "c"):  # one after another, so that a takes the namespace's slot, b auto-1, c auto-2
+            servers[w] = Proc(tiny_model, root)
+            servers[w].wait_ready()
+        want = reference(tiny_model, p1 + p2, 4)
         a, b, c = servers["a"], servers["b"], servers["c"]
         out_a = a.gen(p1)  # A computes and stores p1
         assert out_a["tokens"] == want[:2] and out_a["stats"]["stores_committed"] == 2 * CHUNKS
@@ -107,7 +109,7 @@ def test_three_servers_share_one_store(tiny_model, tmp_path, report):
         b.kill()  # SIGKILL: its lock dies with it, its chunks stay readable
         out_c = c.gen(p2)
         assert out_c["cached"] == [full, full] and out_c["tokens"] == want[2:] and out_c["stats"]["loads_failed"] == 0
-        b2 = Proc(tiny_model, root, "b")  # a restart under the same id takes its files back
+        b2 = Proc(tiny_model, root)  # a restart with the same config takes the free slot (b's) back
         servers["b"] = b2
         b2.wait_ready()
         out_b2 = b2.gen(p2 + p1)
@@ -119,9 +121,10 @@ def test_three_servers_share_one_store(tiny_model, tmp_path, report):
             if s.p.poll() is None:
                 s.quit()
     writers = sorted(p.name for p in next(root.glob("tutti-*")).iterdir() if p.is_dir())
-    assert writers == ["w-a", "w-b", "w-c"]
-    report.tried = ("three vLLM servers (separate processes, writer ids a, b, c) on one root: A stores, B and C hit "
-                    "while all run; B stores, A hits; B SIGKILLed, C hits B's chunks; B restarted under its id")
+    assert writers == ["w-auto-1", "w-auto-2"]  # a wrote the namespace's own files ('')
+    report.tried = ("three vLLM servers (separate processes, one identical config: writer slots found, '', auto-1, "
+                    "auto-2) on one root: A stores, B and C hit while all run; B stores, A hits; B SIGKILLed, C hits "
+                    "B's chunks; B restarted with the same config takes its slot back")
     report.held = ("every hit whole (cached tokens = 4 chunks), outputs == recompute, nothing stored twice, no load "
                    "failure; B's chunks readable after SIGKILL and its again after restart")
     report.requests = 2 * 6

@@ -1,6 +1,8 @@
-"""Two servers pointed at one root. Same configuration: the second gets a clear error at start
-(the namespace has a writer), writes nothing, and the first keeps storing undisturbed. Another
-configuration: its own namespace, side by side. Never interleaved writes."""
+"""Two servers pointed at one root. Same configuration (writer_id "auto", the default): the
+second takes a writer slot of its own and serves the first's chunks while both run. The same
+explicit writer slot twice: the second gets a clear error at start (the slot has a writer) and
+writes nothing, and the first keeps storing undisturbed. Another configuration: its own
+namespace, side by side. Never interleaved writes."""
 
 from __future__ import annotations
 
@@ -58,15 +60,25 @@ def test_second_server_on_same_root(tiny_model, tmp_path, report):
         assert line.startswith("READY"), f"first server did not start: {first.stderr.read()[-3000:]}"
         before = _files(root)
 
-        # 1) same configuration, same root, while the first runs: a clear error at start-up
+        # 1) the first server's writer slot ('') asked for explicitly, while it runs: a clear error at start-up
         with pytest.raises(Exception, match=r"already has a writer.*held by pid " + str(first.pid)) as ei:
-            with engine(tiny_model, kvt):
+            with engine(tiny_model, kv_config(root, writer_id="")):
                 pass
         from vllm.distributed.kv_transfer import has_kv_transfer_group
 
         assert not has_kv_transfer_group(), "the refused server left vLLM's global connector set"
         failed_start_cleanup()
         assert _files(root) == before, "the refused server touched the store"
+
+        # 1b) the same configuration (writer_id auto), while the first runs: a replica. It takes a
+        # slot of its own and every chunk the first stored is a hit on it
+        with engine(tiny_model, kvt) as llm:
+            outs = harness.generate_ids(llm, p1, 4)
+            harness.settle(llm)
+            s_replica = dict(vars(connector_of(llm).planner.stats))
+        assert tokens(outs) == want[:3] and [o.num_cached_tokens for o in outs] == [CHUNKS * CHUNK] * 3
+        assert s_replica["stores_committed"] == 0 and s_replica["loads_failed"] == 0
+        assert (next(root.glob("tutti-*")) / "w-auto-1").is_dir()
 
         # 2) another configuration (chunk 64) on the same root: its own namespace, side by side
         with engine(tiny_model, kv_config(root, chunk=2 * CHUNK)) as llm:
@@ -96,14 +108,15 @@ def test_second_server_on_same_root(tiny_model, tmp_path, report):
         s = dict(vars(connector_of(llm).planner.stats))
     assert tokens(outs) == want and s["loads_failed"] == 0
     assert [o.num_cached_tokens for o in outs] == [CHUNKS * CHUNK] * 6
-    report.tried = ("a second server on the root of a running one: same config (while the first stores), "
-                    "and a different config (chunk_tokens 64)")
+    report.tried = ("a second server on the root of a running one: its writer slot asked for explicitly, the same "
+                    "config (writer_id auto: a replica), and a different config (chunk_tokens 64)")
     msg = str(ei.value).splitlines()[0]
     msg = msg[msg.index("already has a writer"):msg.index("lock file")].rstrip(": ") + ": lock file ... held by pid N"
-    report.held = (f"same config refused at start-up (\"... {msg}...\"), no file touched; "
+    report.held = (f"the held slot refused at start-up (\"... {msg}...\"), no file touched; the replica wrote as "
+                   "auto-1 and hit every chunk of the first; "
                    "different config got its own namespace; the first kept storing; both namespaces whole; "
                    "outputs == recompute")
-    report.requests = 3 + 6 + 6 + 3
+    report.requests = 3 + 3 + 6 + 6 + 3
     report.faults = 2
     report.bytes_lost = 0  # every chunk the first server stored was served at the end (asserted)
     report.counts = {"stores_first": s_first["stores_committed"], "stores_other_ns": s_other["stores_committed"],

@@ -104,8 +104,10 @@ def settle(llm) -> None:
 
 
 def kv_config(root: str | os.PathLike, *, chunk: int, capacity: Any, **extra: Any) -> dict:
-    """A kv_transfer_config for TuttiConnectorV1 over `root` (failed loads recompute)."""
-    cfg = {"root": str(root), "capacity_bytes": capacity, "chunk_tokens": chunk}
+    """A kv_transfer_config for TuttiConnectorV1 over `root` (failed loads recompute). Tests that
+    assert which chunks are served load every hit (`hit_policy: always`); the load-or-compute
+    policy (`auto`, the default for users) has its own tests that name it."""
+    cfg = {"root": str(root), "capacity_bytes": capacity, "chunk_tokens": chunk, "hit_policy": "always"}
     cfg.update(extra)
     return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": cfg}

@@ -248,3 +248,14 @@ def test_a_checkpoint_replaced_at_the_same_path_is_another_namespace(tmp_path):
     cfg.parallel_config.decode_context_parallel_size = 2
     with set_current_vllm_config(cfg), pytest.raises(ValueError, match="decode_context_parallel_size=2"):
         TuttiTier(spec(), memoryview(primary()), "TuttiTier", root=str(tmp_path / "u"), capacity_bytes="1MiB")
+
+
+def test_a_load_job_for_a_chunk_no_longer_held_fails(tmp_path):
+    """Round two, item 9: a promotion asked for a key the tier has since evicted (or never held)
+    reports failure, so vLLM never takes the CPU-tier slot's stale bytes as that chunk."""
+    region = primary()
+    t = tier(tmp_path, region)
+    assert run(t, job(1, KEYS[:1], [0], False))
+    assert not run(t, job(2, [KEYS[0], KEYS[3]], [12, 13], True))  # KEYS[3] was never stored
+    assert run(t, job(3, [KEYS[0]], [14], True)) and np.array_equal(region[14], region[0])
+    t.shutdown()

@@ -4,12 +4,14 @@ geometry done once, before any file is touched. The connector calls these and no
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from tutti.engine import claims
 from tutti.engine.config import ConfigError, EngineConfig
 from tutti.engine.keys import namespace_seed
 from tutti.engine.planner import Planner, rebuild_entries
@@ -203,12 +205,20 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
     return num_slots
 
 
-def build_planner(raw_config: Mapping[str, Any], geom: Geometry) -> Planner:
-    """The scheduler's half: the index rebuilt from every rank's journal."""
+def build_planner(raw_config: Mapping[str, Any], geom: Geometry, *, engine_id: str = "") -> Planner:
+    """The scheduler's half: the index rebuilt from every rank's journal. `engine_id`: vLLM's,
+    under which this process's worker recorded the writer id it took ("auto")."""
     from tutti.engine.hit_policy import get_policy
     from tutti.io.store import ChunkStore
 
     cfg = EngineConfig.from_dict(raw_config, rank=0)
+    if cfg.writer_id == claims.AUTO:  # the slot this engine's worker took (tutti.engine.claims)
+        took = claims.claimed(engine_id) if engine_id else None
+        if took is None and not (geom.num_workers > 1):
+            log.info("tutti: no worker of engine %r in this process recorded its writer id; the scheduler "
+                     "assumes the namespace's writer slot ('')", engine_id)
+        raw_config = {**raw_config, "writer_id": took or ""}
+        cfg = EngineConfig.from_dict(raw_config, rank=0)
     num_slots = check_geometry(cfg, geom)
     mac = segment_mac(cfg)
     geom = with_integrity(geom, mac)
@@ -258,9 +268,44 @@ def _foreign_index(raw_config: Mapping[str, Any], cfg: EngineConfig, geom: Geome
                         interval_s=cfg.follow_interval_s)
 
 
+def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file, access, maps):
+    """The worker's writer store, and cfg with the writer id it took: the configured one, or
+    for "auto" the first free slot of tutti.engine.claims (recorded under `engine_id`)."""
+    from tutti.io.store import ChunkStore, StoreLockedError
+
+    def open_as(writer_id: str):
+        return ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
+                          slots_per_slab=cfg.slots_per_slab, open_file=open_file, access=access,
+                          max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=writer_id)
+
+    if cfg.writer_id != claims.AUTO:
+        return open_as(cfg.writer_id), cfg
+    multi = geom.num_workers > 1 or not cfg.verify_checksums  # see claims; checksums off: one writer only
+    tried = claims.candidates(multi)
+    for i, wid in enumerate(tried):
+        try:
+            store = open_as(wid)
+        except StoreLockedError:
+            if i + 1 < len(tried):
+                continue
+            why = ("with several workers (TP/PP > 1) each rank would pick its slot on its own"
+                   if geom.num_workers > 1 else "verify_checksums is off" if not cfg.verify_checksums
+                   else f"all {len(tried)} writer slots are held")
+            raise StoreLockedError(
+                f"store roots {list(cfg.roots)}: the namespace's writer slot is held by another server and {why}; "
+                "give each server sharing this root its own \"writer_id\" (e.g. \"{host}-gpu0\")") from None
+        if wid:
+            log.info("tutti: the namespace's writer slot is held by another server; this one writes as %r "
+                     "(writer_id auto)", wid)
+        if engine_id:
+            claims.record(engine_id, wid)
+        return store, dataclasses.replace(cfg, writer_id=wid)
+    raise AssertionError("unreachable")
+
+
 def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Sequence[torch.Tensor], layout,
                  kernel_blocks_per_block: int = 1, rank: int = 0, async_loads: bool | None = None,
-                 step_tokens: int | None = None) -> WorkerPipeline:
+                 step_tokens: int | None = None, engine_id: str = "") -> WorkerPipeline:
     """One worker's half: its store (writer), IO queue, kernels and staging ring. `async_loads`:
     the scheduler loads every hit asynchronously (its own staging slots and thread); None: only
     where the config says true ("auto" is the connector's to resolve, from what vLLM runs).
@@ -299,10 +344,10 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
     maps = mac is None and (cfg.mapped_loads is True or (cfg.mapped_loads == "auto" and not access.shared
                                                          and all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots)))
     open_file = lambda name, w, dir_fd: q.open_file(name, write=w, create=w, dir_fd=dir_fd)  # noqa: E731
+    if cfg.writer_id == claims.AUTO and not geom.writes:  # a reader rank: the writer rank's slot ('')
+        cfg = dataclasses.replace(cfg, writer_id="")
     if geom.writes:
-        store = ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
-                           slots_per_slab=cfg.slots_per_slab, open_file=open_file, access=access,
-                           max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=cfg.writer_id)
+        store, cfg = _claim_store(cfg, geom, engine_id, open_file=open_file, access=access, maps=maps)
         store_roots = list(cfg.roots)
     else:  # read the writer rank's namespace, under the writer rank's roots
         wcfg = EngineConfig.from_dict(raw_config, rank=rank - geom.tp_rank + geom.store_tp_rank)

@@ -126,6 +126,8 @@ def resolve_writer_id(value: Any) -> str:
         import hashlib
 
         host = host[:39] + "-" + hashlib.sha256(host.encode()).hexdigest()[:8]
+    if value == "auto":
+        return value
     out = value.replace("{host}", host)
     if out and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", out):
         raise ConfigError(f"{key}={value!r}: expected 1-64 of A-Z a-z 0-9 . _ - after expanding {{host}} "
@@ -225,7 +227,7 @@ class EngineConfig:
     # This server's identity among the servers sharing the root: its files go to the namespace's
     # `w-<writer_id>/` directory; '' = the namespace's only writer (files at its top). Every
     # server reads every writer; `{host}` expands to the host name.
-    writer_id: str = ""
+    writer_id: str = "auto"  # "auto": found at start-up (tutti.engine.claims), no per-server setting
     follow_interval_s: float = 0.25  # how often the other writers' journals are followed
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -392,7 +394,7 @@ class EngineConfig:
                     "(secret_file or secret_env) known to every sharing server, so that no group member can forge "
                     "KV for another; add one, or drop share_group")
             kw["share_group"] = str(v)
-        if kw.get("verify_checksums") is False and kw.get("writer_id"):
+        if kw.get("verify_checksums") is False and kw.get("writer_id") not in (None, "", "auto"):
             raise ConfigError(
                 f"verify_checksums=False: refused with writer_id={kw['writer_id']!r}: another writer may evict and "
                 "rewrite a slot between a reader's journal check and its reads, and only the checksum tells the "

@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 
 from tutti.engine.config import ConfigError, EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
+from tutti.engine import claims
 from tutti.engine.build import build_planner, build_worker, check_geometry, segment_mac, with_integrity
 from tutti.vllm import compat
 from tutti.vllm.events import EventPublisher, KVEventTracker, expand_topic
@@ -106,13 +107,16 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         check_geometry(self._cfg, self._geom)  # chunk vs block size, capacity, staging: before any IO
         self._planner = None
         self._worker = None
+        # vLLM's id of this engine, the same for its scheduler and workers: "auto" writer ids
+        # are handed from the worker to the scheduler under it (tutti.engine.claims)
+        self._engine_id = str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")
         self._hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0) or self._geom.block_size)
         self._layer_index: dict[str, int] = {}
         self._requests: dict[str, Any] = {}  # scheduler side, with store_decode: live Request objects
         self._events: KVEventTracker | None = None
         self._publisher: EventPublisher | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._planner = build_planner(self._extra, self._geom)
+            self._planner = build_planner(self._extra, self._geom, engine_id=self._engine_id)
             self._planner.asynchronous = self._async_loads  # the hit policy models this load mode
             self._planner.step_tokens = compat.step_tokens(vllm_config) or 8192
             self._sched_stats = SchedulerStatsTracker(self._planner.index.num_slots * self._planner.slot_bytes)
@@ -175,7 +179,8 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._worker = build_worker(self._extra, geom, caches=views, layout=layout,
                                         kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config),
                                         async_loads=self._async_loads and not self._hybrid,
-                                        step_tokens=compat.step_tokens(self._vllm_config))
+                                        step_tokens=compat.step_tokens(self._vllm_config),
+                                        engine_id=self._engine_id)
         except Exception:
             compat.release_global_connector(self)  # the engine will not start: do not haunt the next one
             raise
@@ -268,6 +273,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+            claims.release(self._engine_id)  # its writer slot's lock is gone with its store
         if self._publisher is not None:
             self._publisher.shutdown()
             self._publisher = None

@@ -314,7 +314,8 @@ class TuttiTier(SecondaryTierManager):
         ok = {}
         bad = []
         for key, slot, dst in work:
-            if slot is None:
+            if slot is None:  # asked for a chunk this tier no longer holds: the job fails, never
+                ok[key] = False  # reports the CPU-tier slot's stale bytes as loaded (round two, item 9)
                 continue
             entry = self._store.get(slot)
             out = self._view[dst * cb:(dst + 1) * cb]
