@@ -24,4 +24,4 @@ fi
 rm -rf tutti.egg-info  # metadata an older editable install left in the checkout, under the old name
 pip_install --no-deps -e .
 pip_install "pytest>=8" "pytest-benchmark>=4" "hypothesis>=6" "nbmake>=1.5" "nbformat>=5" "nbclient>=0.9" \
-  "ipykernel>=6" "matplotlib>=3.7" "pyzmq" "tqdm"
+  "ipykernel>=6" "matplotlib>=3.7" "pyzmq" "tqdm" "pytest-xdist>=3.5"

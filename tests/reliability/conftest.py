@@ -80,6 +80,9 @@ def pytest_sessionfinish(session, exitstatus):
         return
     rows = sorted(_ROWS.values(), key=lambda r: r.test)
     path = os.environ.get("TUTTI_RELIABILITY_JSON", str(_report.DEFAULT_JSON))
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # scripts/test.sh's parallel run: each worker ran some files; the doc needs one process
+        path = f"{path}.{worker}"
     env = (f"{time.strftime('%Y-%m-%d')}, {platform.machine()} CPU x{os.cpu_count()}, Python "
            f"{platform.python_version()}, vLLM {_vllm_version()}, pytest exit status {int(exitstatus)}.")
     _report.save(path, rows, env)
