@@ -329,9 +329,11 @@ def test_loads_the_forward_did_not_wait_for_are_failed(tmp_path, mapped):
 
 
 def test_second_writer_on_one_root_is_refused(tmp_path):
-    w = worker(tmp_path, make_caches(0))
+    """The same writer slot twice is refused (writer_id "" asked for explicitly; "auto", the
+    default, takes another slot: tests/engine/test_sharing.py)."""
+    w = worker(tmp_path, make_caches(0), writer_id="")
     with pytest.raises(Exception, match="(?i)lock|in use|writer"):
-        worker(tmp_path, make_caches(1))
+        worker(tmp_path, make_caches(1), writer_id="")
     w.close()
 
 
