@@ -215,7 +215,8 @@ class HalfPolicy:
 def test_hit_policy_loads_or_recomputes_on_a_slow_store(tiny_model, tmp_path, reference):
     """Load or compute on a real engine. A store read at 2 MB/s (about 500 tokens/s of this
     model's KV, far below its prefill rate): the first hit loads in full, which is how the read
-    rate gets measured; the next hit is recomputed by choice, and counted. A policy given as
+    rate gets measured; the next hit is recomputed by choice (all but what hides under the step's
+    compute), and counted. A policy given as
     "module:attr" that loads half a hit: vLLM computes the rest. Tokens equal recompute in every
     case (the loads-dropped control of test_store_then_load_in_a_fresh_process shows that this
     model's tokens depend on the loaded KV). vLLM's own prefix cache is off, so every hit is tutti's."""
@@ -246,8 +247,11 @@ def test_hit_policy_loads_or_recomputes_on_a_slow_store(tiny_model, tmp_path, re
         return res, stats
 
     res, stats = run("auto", [p1, p2], [p1, p2], tmp_path / "kv1")
-    assert [r["cached"] for r in res] == [9 * CHUNK, 0]  # loaded (rate unmeasured), then recomputed by choice
-    assert stats["hit_tokens"] == 9 * CHUNK and stats["declined_hit_tokens"] == 9 * CHUNK
+    # loaded whole (rate unmeasured); then recomputed by choice, but for at most the chunk or two
+    # whose read hides under the step's compute of the rest (the layer-wise overlap)
+    assert res[0]["cached"] == 9 * CHUNK and res[1]["cached"] <= 2 * CHUNK
+    assert stats["hit_tokens"] == 9 * CHUNK + res[1]["cached"]
+    assert stats["declined_hit_tokens"] == 9 * CHUNK - res[1]["cached"]
     assert [r["tokens"] for r in res] == ref[:2]
     res, stats = run("test_connector:HalfPolicy", [p3], [p3], tmp_path / "kv2")
     assert res[0]["cached"] == 4 * CHUNK and stats["declined_hit_tokens"] == 5 * CHUNK, stats  # 9 chunks: 4 loaded
