@@ -236,3 +236,16 @@ def test_round_two_small_config_items(monkeypatch):
         monkeypatch.setattr(socket, "gethostname", lambda tail=tail: "x" * 50 + tail)
         ids.add(resolve_writer_id("{host}"))
     assert len(ids) == 2 and all(len(i) <= 64 for i in ids)
+
+
+def test_a_nul_in_a_root_and_a_root_listed_twice_are_refused(tmp_path):
+    """Left from round one: a NUL byte in a root, and the same directory as two stripes (their
+    slab files would collide), are refused naming the key."""
+    from tutti.engine.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="a path has no NUL byte"):
+        EngineConfig.from_dict({"root": "/tmp/a\x00b", "capacity_bytes": "1GiB"})
+    with pytest.raises(ConfigError, match="a directory is listed twice"):
+        EngineConfig.from_dict({"roots": [str(tmp_path), str(tmp_path) + "/"], "capacity_bytes": "1GiB"})
+    assert len(EngineConfig.from_dict({"roots": [str(tmp_path / "a"), str(tmp_path / "b")],
+                                       "capacity_bytes": "1GiB"}).roots) == 2

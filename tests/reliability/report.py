@@ -156,6 +156,14 @@ ROUND_TWO = [
     "tests/vllm/test_tier.py::test_a_load_job_for_a_chunk_no_longer_held_fails |",
     "| 10 | context parallelism (DCP/PCP > 1) | refused at start, naming the size (not in the fingerprint: "
     "nothing with them can start) | tests/engine/test_config.py::test_context_parallelism_is_refused_by_name |",
+    "| r1 | left from round one: a NUL byte in a root; the same root for two ranks; `tutti inspect` reading a whole "
+    "journal into memory; a second writer after LOCK is unlinked; journal records piling up on a full disk | fixed: a "
+    "NUL in a root and a directory listed twice as stripes refused naming the key. Left, with reasons: the same root "
+    "for two ranks is by design (each rank's namespace is its own directory: the rank is in the fingerprint); a "
+    "second writer after `LOCK` is unlinked stops the first from recording (it notices its lock is gone), so two "
+    "writers never interleave; `tutti inspect`'s memory on a 3 GiB sparse journal and `close()` raising ENOSPC on a "
+    "full disk lose nothing stored (records not written are chunks not journaled: misses) and are left for the "
+    "store split (#30) | tests/engine/test_config.py::test_a_nul_in_a_root_and_a_root_listed_twice_are_refused |",
     "| - | a load failing its checksum under vLLM's asynchronous scheduler gave wrong tokens (#25) | fixed: "
     "`async_loads` (auto there) | tests/vllm/test_connector.py::test_corrupt_chunk_is_recomputed_and_counted[async]; "
     "on the GPU: docs/results/kv_proof.md |",

@@ -294,7 +294,14 @@ class EngineConfig:
             roots_v = [roots_v]
         if not isinstance(roots_v, (list, tuple)) or not roots_v or not all(isinstance(r, str) and r for r in roots_v):
             raise ConfigError(f"roots={roots_v!r}: expected a non-empty list of directory paths")
+        bad = [r for r in roots_v if "\0" in r]
+        if bad:
+            raise ConfigError(f"roots={bad!r}: a path has no NUL byte; give the directory's path")
         roots = tuple(resolve_root(r, rank) for r in roots_v)
+        real = [os.path.realpath(r) for r in roots]
+        if len(set(real)) != len(real):
+            raise ConfigError(f"roots={list(roots_v)!r}: a directory is listed twice ({sorted({r for r in real if real.count(r) > 1})}); "
+                              "stripes need one directory each (one per drive), or give a single 'root'")
         if "capacity_bytes" not in raw:
             raise ConfigError("capacity_bytes: missing; give the store's size, e.g. '64GiB'")
         kw: dict[str, Any] = {"roots": roots, "capacity_bytes": parse_bytes(
