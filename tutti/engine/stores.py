@@ -201,7 +201,7 @@ class StorePipeline:
         """Write, sync and journal the run's live chunks. True when writes missed their deadline
         and still hold the run's staging regions (released by reap_stragglers once they land)."""
         ctx, store, L = self.ctx, self.ctx.store, self.ctx.num_layers
-        cb, max_io = ctx.chunk_bytes, ctx.queue.caps().max_io_bytes
+        max_io = ctx.queue.caps().max_io_bytes
         reqs = []
         with self._lock:
             live = [(i, st) for i, st in enumerate(run.chunks) if st.ticket in self._live]

@@ -17,7 +17,7 @@ import torch
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _kvbase
 
-from tutti.engine.build import Geometry
+from tutti.engine.geometry import Geometry
 
 VLLM_VERSION = tuple(int(p) for p in vllm.__version__.split("+")[0].split(".")[:2] if p.isdigit())
 
