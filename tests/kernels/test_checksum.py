@@ -76,8 +76,6 @@ def test_no_blind_spots_of_the_linear_sums():
     g = torch.Generator().manual_seed(8)
     x = torch.randint(0, 256, (1, 4096), dtype=torch.uint8, generator=g)
     base = segment_checksum_torch(x)
-    bad = []
-    words = x.view(torch.int32)
     rng = np.random.default_rng(8)
     cases = []
     for _ in range(1500):  # random 2-bit errors
@@ -93,10 +91,9 @@ def test_no_blind_spots_of_the_linear_sums():
         ys.append(y)
     for i in range(0, 1000, 7):  # a 64-bit lane: word i gains what word i + 1 loses
         y = x.clone()
-        yw = y.view(torch.int32)
-        yw[0, i] = int((int(words[0, i]) + 0x1000) & 0xFFFFFFFF) - (1 << 32 if (int(words[0, i]) + 0x1000) & 0x80000000 else 0)
-        yw[0, i + 1] = int((int(words[0, i + 1]) - 0x1000 * (i + 1) // (i + 2)) & 0xFFFFFFFF) - (
-            1 << 32 if (int(words[0, i + 1]) - 0x1000 * (i + 1) // (i + 2)) & 0x80000000 else 0)
+        yw = y.view(torch.int32).numpy().view(np.uint32)  # shares y's memory; uint32 wraps
+        yw[0, i] += 0x1000
+        yw[0, i + 1] -= 0x1000 * (i + 1) // (i + 2)
         ys.append(y)
     batch = torch.cat(ys)
     t = segment_checksum_torch(batch)

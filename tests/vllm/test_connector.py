@@ -36,6 +36,11 @@ def child_run(model_dir, kvt, prompts, max_tokens=8, **llm_kw) -> list[dict]:
         "print('STATS', json.dumps(vars(conn.planner.stats)))\n"
         "harness.shutdown_llm(llm)\n"
     )
+    return results_of(code)
+
+
+def results_of(code: str) -> tuple[list[dict], dict]:
+    """Run `code` in a fresh process; its last RESULT and STATS lines, decoded."""
     out = harness.run_in_subprocess(code)
     res = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:])
     stats = json.loads([l for l in out.splitlines() if l.startswith("STATS ")][-1][6:])
@@ -241,10 +246,7 @@ def test_hit_policy_loads_or_recomputes_on_a_slow_store(tiny_model, tmp_path, re
             "print('STATS', json.dumps(vars(conn.planner.stats)))\n"
             "harness.shutdown_llm(llm)\n"
         )
-        out = harness.run_in_subprocess(code)
-        res = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:])
-        stats = json.loads([l for l in out.splitlines() if l.startswith("STATS ")][-1][6:])
-        return res, stats
+        return results_of(code)
 
     res, stats = run("auto", [p1, p2], [p1, p2], tmp_path / "kv1")
     # loaded whole (rate unmeasured); then recomputed by choice, but for at most the chunk or two

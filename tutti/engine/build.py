@@ -95,7 +95,7 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry, *, engine_id: s
     cfg = EngineConfig.from_dict(raw_config, rank=0)
     if cfg.writer_id == claims.AUTO:  # the slot this engine's worker took (tutti.engine.claims)
         took = claims.claimed(engine_id) if engine_id else None
-        if took is None and not (geom.num_workers > 1):
+        if took is None and geom.num_workers == 1:
             log.info("tutti: no worker of engine %r in this process recorded its writer id; the scheduler "
                      "assumes the namespace's writer slot ('')", engine_id)
         raw_config = {**raw_config, "writer_id": took or ""}

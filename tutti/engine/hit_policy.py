@@ -19,11 +19,12 @@ an instance). The planner rounds whatever comes back down to a chunk boundary.
 
 from __future__ import annotations
 
-import importlib
 import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
+
+from tutti.plugins import import_spec
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,7 @@ def candidates(q: HitQuery) -> list[int]:
     partial chunk past vLLM's own cache), within the request's cap."""
     cap = q.hit_tokens if q.max_load_tokens is None else min(q.hit_tokens, max(0, q.max_load_tokens))
     first = q.hit_tokens % q.chunk_tokens or q.chunk_tokens
-    out = list(range(first, cap + 1, q.chunk_tokens))
-    return out
+    return list(range(first, cap + 1, q.chunk_tokens))
 
 
 @dataclass
@@ -217,15 +217,8 @@ def get_policy(spec) -> HitPolicy:
     if spec in _REGISTRY:
         return _REGISTRY[spec]()
     if ":" in spec:
-        mod_name, _, attr = spec.partition(":")
-        try:
-            obj = importlib.import_module(mod_name)
-        except ImportError as exc:
-            raise ValueError(f"hit_policy={spec!r}: cannot import module {mod_name!r} ({exc})") from exc
-        for part in attr.split("."):
-            if not hasattr(obj, part):
-                raise ValueError(f"hit_policy={spec!r}: module {mod_name!r} has no attribute {attr!r}")
-            obj = getattr(obj, part)
+        obj = import_spec(spec, "hit_policy")
+        attr = spec.partition(":")[2]
         pol = obj if hasattr(obj, "decide") and not isinstance(obj, type) else obj()
         if not callable(getattr(pol, "decide", None)):
             raise ValueError(f"hit_policy={spec!r}: {attr!r} gives no object with a decide(query, rates) method")

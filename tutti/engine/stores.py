@@ -18,6 +18,7 @@ start-up; on the CPU a memcpy from the host staging), then journals it as the fi
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
@@ -280,30 +281,29 @@ class StorePipeline:
 
     def _copy_into_maps(self, run: _Run, live: list, written: dict[int, list[int]],
                         errors: dict[int, BaseException]) -> None:
-        """The run's chunks into their slots' mappings (the free records are already durable)."""
-        ctx, store = self.ctx, self.ctx.store
-        rb = self.arena.region_bytes
-        src_all = self.arena.device_view(run.first, len(run.chunks)) if ctx.cuda else \
-            self.arena.host_view(run.first, len(run.chunks))
-        with nvtx_range("copy_into_maps"):
+        """The run's chunks into their slots' mappings (the free records are already durable):
+        from the device staging on the writer's copy stream (on the CPU, from the host staging)."""
+        ctx, store, rb = self.ctx, self.ctx.store, self.arena.region_bytes
+        n = len(run.chunks)
+        src_all = self.arena.device_view(run.first, n) if ctx.cuda else self.arena.host_view(run.first, n)
+        on_stream = contextlib.ExitStack()
+        if ctx.cuda:
+            on_stream.enter_context(torch.cuda.device(ctx.device))
+            on_stream.enter_context(torch.cuda.stream(self._copy_stream))
+        with nvtx_range("copy_into_maps"), on_stream:
+            for i, st in live:
+                dst = store.mapped_slot(st.slot)
+                if dst is None:  # the slab shrank under its mapping, or was never mapped
+                    errors[i] = OSError(f"slot {st.slot}: its slab is not mapped whole")
+                    continue
+                src = src_all[i * rb:(i + 1) * rb]
+                for lo, hi in self._written_ranges(written[i]):
+                    dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
             if ctx.cuda:
-                with torch.cuda.device(ctx.device), torch.cuda.stream(self._copy_stream):
-                    self._copy_ranges(run, live, written, errors, src_all, rb, store)
-                    done = torch.cuda.Event()
-                    done.record(self._copy_stream)
-                done.synchronize()  # releases the GIL while the DMA runs
-            else:
-                self._copy_ranges(run, live, written, errors, src_all, rb, store)
-
-    def _copy_ranges(self, run, live, written, errors, src_all, rb, store) -> None:
-        for i, st in live:
-            dst = store.mapped_slot(st.slot)
-            if dst is None:  # the slab shrank under its mapping, or was never mapped
-                errors[i] = OSError(f"slot {st.slot}: its slab is not mapped whole")
-                continue
-            src = src_all[i * rb:(i + 1) * rb]
-            for lo, hi in self._written_ranges(written[i]):
-                dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+        if ctx.cuda:
+            done.synchronize()  # releases the GIL while the DMA runs
 
     def _written_ranges(self, layers: list[int]) -> list[tuple[int, int]]:
         """Byte ranges of a chunk's slot to write: runs of consecutive written layers."""

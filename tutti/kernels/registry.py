@@ -31,12 +31,13 @@ server (``kernel_variant`` in its config) needs ``"package.module:attr"``.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
+
+from tutti.plugins import import_spec
 
 
 @dataclass(frozen=True)
@@ -141,17 +142,7 @@ def get_variant(name) -> KernelVariant:
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" in name:
-        mod_name, _, attr = name.partition(":")
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError as e:
-            raise ValueError(f"variant={name!r}: cannot import module {mod_name!r} ({e})") from e
-        obj = mod
-        for part in attr.split("."):
-            if not hasattr(obj, part):
-                raise ValueError(f"variant={name!r}: module {mod_name!r} has no attribute {attr!r}")
-            obj = getattr(obj, part)
-        return _as_variant(obj, name)
+        return _as_variant(import_spec(name, "variant"), name)
     raise ValueError(f"variant={name!r}: unknown; expected one of {available_variants()} or 'package.module:attr'")
 
 
