@@ -135,19 +135,19 @@ def count_syncs(fn):
 
 
 def bench_engine(model: str, kvt: dict | None, *, max_len: int, gpu_mem: float, eager: bool,
-                 kernel_config: bool = True, compilation_config: dict | None = None):
+                 kernel_config: bool = True, compilation_config: dict | None = None,
+                 batched_tokens: int | None = None):
     """A vllm.LLM for the benchmarks through the demo's make_llm (one harness): vLLM's default mode
-    (torch.compile + CUDA graphs) unless `eager`; on the CPU build a smoke-run engine."""
-    import torch
-
-    from tutti.demo import make_llm
+    (torch.compile + CUDA graphs) unless `eager`; on the CPU build a smoke-run engine. The step's
+    token budget is the whole prompt unless `batched_tokens` says otherwise."""
+    from tutti.demo import make_llm, on_cuda
 
     kw = dict(skip_tokenizer_init=True, gpu_memory_utilization=gpu_mem, max_model_len=max_len,
-              max_num_batched_tokens=max_len, max_num_seqs=256, dtype="bfloat16", enforce_eager=bool(eager),
-              block_size=16)
+              max_num_batched_tokens=batched_tokens or max_len, max_num_seqs=256, dtype="bfloat16",
+              enforce_eager=bool(eager), block_size=16)
     if compilation_config and not eager:
         kw["compilation_config"] = compilation_config
-    if not torch.cuda.is_available():  # the CPU build (a smoke run)
+    if not on_cuda():  # the CPU build (a smoke run)
         kw.update(block_size=32, dtype="float32", enforce_eager=True)
         kw.pop("gpu_memory_utilization")
         kw.pop("compilation_config", None)

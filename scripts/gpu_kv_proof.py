@@ -302,9 +302,9 @@ def rpc_set(self, what: str, value) -> bool:
 def run_case(case: str, a) -> dict:
     import torch
 
-    from tutti.demo import make_llm, greedy
+    from tutti.demo import greedy, make_llm, on_cuda
 
-    cuda = torch.cuda.is_available()
+    cuda = on_cuda()  # not torch.cuda.is_available(): the engine core is forked from this process
     # vLLM's default: the engine core in its own process (tutti's demo harness keeps it in-process)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("KV_PROOF_MULTIPROCESSING", "1")
     # the probes are functions sent to the worker process (cloudpickle); this process only

@@ -159,10 +159,17 @@ def kv_transfer_config(root: str | os.PathLike, *, chunk_tokens: int = DEMO_CHUN
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": cfg}
 
 
+def on_cuda() -> bool:
+    """Whether vLLM runs on CUDA, asked the way vLLM asks (NVML): `torch.cuda.is_available()`
+    initialises CUDA in this process, and vLLM's engine core, forked from it, then cannot."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda())
+
+
 def make_llm(model_dir: str | os.PathLike, *, kv_transfer_config: dict[str, Any] | None = None, **kw: Any):
     """A ``vllm.LLM`` over a generated model, tuned to start fast (CPU build) or small (GPU)."""
     set_env()
-    import torch
     from vllm import LLM
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
@@ -171,7 +178,7 @@ def make_llm(model_dir: str | os.PathLike, *, kv_transfer_config: dict[str, Any]
     # clears; an engine that failed to start (a bad config) leaves it behind, and the next engine
     # in this process would silently reuse it.
     ensure_kv_transfer_shutdown()
-    cuda = torch.cuda.is_available()
+    cuda = on_cuda()
     args: dict[str, Any] = dict(
         # the generated model's own weights where it has them (make_tiny_model), else vLLM's dummy ones
         model=str(model_dir), load_format="auto" if (Path(model_dir) / "model.safetensors").exists() else "dummy",

@@ -178,3 +178,18 @@ def test_the_cost_model_in_the_planner_declines_a_slow_store_when_idle():
     assert p.stats.declined_hit_tokens == 192 and p.stats.hit_tokens == 0
     p.meter.on_loads(int(1e12), 1.0)  # the storage turned out fast: load
     assert p.match("s", toks + [2], 0) == 192
+
+
+def test_the_start_up_probe_gives_a_fresh_planner_its_read_rate():
+    """A fresh server on a slow store: without the probe the first hit would be loaded whole
+    (rate unknown); with the workers' probe in their first report the cost model recomputes."""
+    p = planner(CostModel(), slot_bytes=32 * B8)
+    toks = list(range(1, 200))
+    store_prefix(p, toks)
+    for t in (0.0, 0.3, 0.6):
+        p.meter.on_step(8192, now=t)  # prefill measured: 27k tokens/s
+    assert p.meter.load_rate is None and p.match("a", toks + [1], 0) == 192
+    p.finished("a")
+    p.on_report(WorkerReport(probe_bytes=2 * 10**8, probe_seconds=0.2, workers=2))  # 0.1 GB in 0.2 s each
+    assert p.meter.load_rate == pytest.approx(0.5e9) and p.stats.bytes_loaded == 0
+    assert p.match("b", toks + [2], 0) == 0

@@ -724,3 +724,37 @@ def test_keyed_tags_bind_the_rank(tmp_path, monkeypatch):
     assert w1.take_failed_blocks() == set()
     assert all(torch.equal(d[[8, 9]], s[[0, 1]]) for d, s in zip(dst, src))
     w1.close()
+
+
+def test_start_up_probes_the_read_rate_of_stored_chunks(tmp_path):
+    """A fresh worker over stored chunks reads some of them at start-up (file path) and reports
+    the bytes and seconds, so a planner's hit policy starts with a measured read rate; an empty
+    store and a mapped root read nothing, and nothing in the caches changes."""
+    from tutti.engine.hit_policy import RateMeter
+
+    w = worker(tmp_path / "empty", make_caches(0), mapped_loads=False)
+    w.warm_up()
+    assert w.probe == (0, 0.0) and w.take_report().probe_bytes == 0
+    w.close()
+    store_chunks(tmp_path, make_caches(0), [(3, [0, 1]), (7, [4, 5]), (8, [10, 11])])
+    dst = make_caches(1)
+    before = [c.clone() for c in dst]
+    w = worker(tmp_path, dst, mapped_loads=False)
+    w.queue = RecordingQueue(w.queue)
+    w.warm_up()
+    seg = geometry().segment_bytes
+    assert w.probe[0] == 3 * L * seg and w.probe[1] > 0 and w.queue.reads == 3 * L
+    rep = w.take_report()
+    assert rep.probe_bytes == 3 * L * seg and rep.bytes_loaded == 0 and not rep.is_empty()
+    assert all(torch.equal(a, b) for a, b in zip(dst, before))
+    m = RateMeter()
+    m.on_loads(rep.probe_bytes, rep.probe_seconds)
+    assert m.load_rate == pytest.approx(rep.probe_bytes / rep.probe_seconds)
+    w.close()
+    w = worker(tmp_path, make_caches(1), mapped_loads=True)
+    w.warm_up()
+    assert w.probe == (0, 0.0)
+    w.close()
+    w = worker(tmp_path, make_caches(1), mapped_loads=False)
+    assert w.probe_read_rate(max_bytes=seg)[0] == 3 * seg  # one layer of the group, then it stops
+    w.close()

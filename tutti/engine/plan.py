@@ -74,6 +74,9 @@ class WorkerReport:
     # load, only the forward's waits of a layer-wise one (the rest hid under compute); the hit
     # policy's read rate is bytes_loaded over this
     load_wait_seconds: float = 0.0
+    # the start-up read probe (WorkerPipeline.probe_read_rate): the hit policy's first read rate
+    probe_bytes: int = 0
+    probe_seconds: float = 0.0
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
         return WorkerReport(
@@ -88,8 +91,10 @@ class WorkerReport:
             store_seconds=self.store_seconds + other.store_seconds,
             stores_skipped=self.stores_skipped + other.stores_skipped,
             load_wait_seconds=self.load_wait_seconds + other.load_wait_seconds,
+            probe_bytes=self.probe_bytes + other.probe_bytes,
+            probe_seconds=max(self.probe_seconds, other.probe_seconds),
         )
 
     def is_empty(self) -> bool:
         return not (self.stored or self.store_failed or self.load_failed or self.steps_done
-                    or self.bytes_loaded or self.bytes_stored or self.stores_skipped)
+                    or self.bytes_loaded or self.bytes_stored or self.stores_skipped or self.probe_bytes)

@@ -476,6 +476,8 @@ class Planner:
         s.store_seconds += report.store_seconds
         s.stores_skipped += report.stores_skipped
         self.meter.on_loads(report.bytes_loaded, report.load_wait_seconds)
+        if report.probe_bytes and report.workers:  # the start-up probe: per worker, as loads are
+            self.meter.on_loads(report.probe_bytes // report.workers, report.probe_seconds)
         for t in report.store_failed:
             tk = self._tickets.pop(t, None)
             if tk is not None and self.index.abort(tk.key):

@@ -28,7 +28,7 @@ from tutti.engine.plan import LoadChunk, StepPlan, WorkerReport
 from tutti.engine.staging import RegionArena, StagingRing
 from tutti.engine.stores import StorePipeline
 from tutti.engine.writer import Writer
-from tutti.io.queue import IOQueue
+from tutti.io.queue import READ, IOQueue, IORequest, submit_all
 
 
 class WorkerPipeline:
@@ -92,6 +92,7 @@ class WorkerPipeline:
         self.warmup_seconds = 0.0
         self.mapped_bytes = 0
         self.map_seconds = 0.0
+        self.probe = (0, 0.0)  # (bytes, seconds) of the start-up read probe
         # TUTTI_TRACE=1: (event, layer, perf_counter) of reads submitted and layers made ready,
         # to see the rolling load next to compute; bounded, off by default.
         self.trace: list[tuple[str, int, float]] | None = [] if os.environ.get("TUTTI_TRACE") else None
@@ -218,8 +219,56 @@ class WorkerPipeline:
         map_all = getattr(self.store, "map_all", None)
         self.mapped_bytes = map_all() if map_all is not None else 0  # RAM roots: pin the stored pages now
         self.map_seconds = time.perf_counter() - t1
+        self.probe = self.probe_read_rate()
+        if self.probe[0]:
+            self.counters.add(probe_bytes=self.probe[0], probe_seconds=self.probe[1])
         self.warmup_seconds = time.perf_counter() - t0
         return self.warmup_seconds
+
+    def probe_read_rate(self, max_bytes: int = 256 << 20, max_seconds: float = 0.5) -> tuple[int, float]:
+        """(bytes, seconds): stored segments read the way a file-path load reads them (this
+        queue, this staging, a layer of several chunks at a time), at start-up.
+
+        Why: the hit policy chooses from the storage's read rate; a fresh server that had to
+        guess would load its first hits whole, and on a slow disk those are slower than
+        recomputing. Nothing else uses the load staging yet. A mapped RAM root loads by copying
+        from its mapping, not by reading: no probe there (its first hit measures it). Any error
+        ends the probe with what it measured: it never fails the start.
+        """
+        ctx, store, ring = self.ctx, self.store, self.loads.ring
+        if self.loads.maps or max_bytes <= 0:
+            return 0, 0.0
+        try:
+            slots = sorted(store.entries())
+        except Exception:  # noqa: BLE001 - a store that cannot list its chunks: nothing to measure
+            return 0, 0.0
+        per = max(1, ring.slot_bytes // ctx.seg)
+        if not slots or (slot := ring.try_acquire()) is None:
+            return 0, 0.0
+        done, t0 = 0, time.perf_counter()
+        try:
+            for lo in range(0, len(slots), per):
+                group = slots[lo:lo + per]
+                for layer in range(ctx.num_layers):
+                    reqs, held = [], []
+                    for i, s in enumerate(group):
+                        fd, off = store.acquire(s, layer)
+                        held.append(s)
+                        reqs.append(IORequest(fd, off, ring.buffer, slot.offset + i * ctx.seg, ctx.seg, READ))
+                    try:
+                        for fut in submit_all(ctx.queue, reqs):
+                            fut.result(timeout=ctx.cfg.io_timeout_s)
+                            done += ctx.seg
+                    finally:
+                        for s in held:
+                            store.release(s)
+                    if done >= max_bytes or time.perf_counter() - t0 >= max_seconds:
+                        return done, time.perf_counter() - t0
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
+        finally:
+            ring.release(slot)
+        return done, time.perf_counter() - t0
 
     # ================================================================ reporting
     def take_stats(self) -> dict[str, float]:

@@ -193,12 +193,13 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         rank = compat.worker_rank(self._vllm_config)
         (logger.info if rank == 0 else logger.debug)(
             "tutti: ready: backend=%s roots=%s capacity=%d B layout=%s kernel=%s layers=%d chunk=%d tokens "
-            "resident=%d chunks rank=%d staging=%d B (%d store chunks) mapped=%d B in %.2f s%s async_loads=%s; "
-            "start-up took %.2f s",
+            "resident=%d chunks rank=%d staging=%d B (%d store chunks) mapped=%d B in %.2f s%s async_loads=%s "
+            "read probe=%d B in %.3f s; start-up took %.2f s",
             w.queue.caps().backend, list(w.cfg.roots), self._cfg.capacity_bytes, layout, w.kernel.name,
             num_layers, self._cfg.chunk_tokens, w.resident_chunks, rank, w.cfg.staging_bytes,
             w.stores.arena.num_regions, w.mapped_bytes, w.map_seconds,
-            " (stores copy into it)" if w.stores.into_maps else "", w.async_loads is not None, w.warmup_seconds,
+            " (stores copy into it)" if w.stores.into_maps else "", w.async_loads is not None, w.probe[0], w.probe[1],
+            w.warmup_seconds,
         )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

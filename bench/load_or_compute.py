@@ -1,0 +1,208 @@
+"""Load or compute: one request's hit against recomputing it, from a fresh server, on a disk root.
+
+vLLM's default mode (torch.compile + CUDA graphs, asynchronous scheduling), the engine core in
+this process so the planner can be reached (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), the step token
+budget of `vllm serve` on an H200 (8192), weights re-seeded so that tokens depend on the KV
+cache. Two processes per geometry, one engine each:
+
+  store   the prompts' first prefill (stored), every store settled, the process ends
+  (page cache dropped)
+  hit     a fresh server: its start-up read probe measures the disk; one unrelated prompt
+          (a server that has served something: its prefill rate is measured); then for each
+          length, each with vLLM's prefix cache reset and the page cache dropped:
+            auto     hit_policy auto (the default): what it chose, the time to the first token
+            always   the whole hit loaded (tutti before load-or-compute)
+            never    recomputed (the baseline of the same process)
+          and 16 greedy tokens of each against the recompute's
+
+    python3 bench/load_or_compute.py --out $OUT [--geometry 8b|70b] [--lengths 8192,32768]
+    python3 bench/load_or_compute.py --out /tmp/loc --tiny        # the CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from vllm_ttft import bench_engine, make_model, prompt, timed_generate  # noqa: E402
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def kv_config(a) -> dict:
+    extra = {"root": a.root, "capacity_bytes": a.capacity, "chunk_tokens": a.chunk_tokens,
+             "hit_policy": "always"}
+    extra.update(json.loads(a.tutti_extra))
+    return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def run_phase(phase: str, a) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    from gpu_kv_proof import rpc_reseed
+
+    from tutti.demo import on_cuda
+    from tutti.engine.hit_policy import Always, CostModel, Never
+    from tutti.vllm import compat
+
+    t0 = time.time()
+    llm = bench_engine(a.model, kv_config(a), max_len=max(a.lengths) + 512, gpu_mem=a.gpu_mem, eager=a.tiny,
+                       batched_tokens=a.batched_tokens)
+    res: dict = {"phase": phase, "engine_start_s": round(time.time() - t0, 1),
+                 "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+                 "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)}
+    if on_cuda():
+        res["reseeded_tensors"] = llm.collective_rpc(rpc_reseed, args=(1234, "plain"))[0]
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    gen, one, sixteen = timed_generate(llm)
+    conn = compat.engine_connector(llm)
+    planner = conn.planner
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group().worker
+    res["async_loads"] = worker.async_loads is not None
+    res["probe"] = {"bytes": worker.probe[0], "seconds": round(worker.probe[1], 4)}
+    prompts = {n: prompt(n, n, vocab) for n in a.lengths}
+    if phase == "store":
+        gen([prompt(998, 64, vocab)], one)  # warm-up, shorter than a chunk
+        for n, p in prompts.items():
+            llm.reset_prefix_cache()
+            t, o = gen([p], sixteen)
+            res[f"first_{n}"] = {"s": round(t, 4), "tokens16": list(o[0].outputs[0].token_ids)}
+        worker.flush()
+        for _ in range(3):  # deliver the stores' reports to the scheduler
+            gen([prompt(999, 16, vocab)], one)
+            time.sleep(0.2)
+        res["stats"] = dict(vars(planner.stats))
+        return res
+    # the hit phase: a server that has served one prompt (its prefill rate measured)
+    gen([prompt(4242, min(4096, max(a.lengths)), vocab)], one)
+    rates0 = {"load_GBps": planner.meter.load_rate and round(planner.meter.load_rate / 1e9, 3),
+              "prefill_tok_s": planner.meter.prefill_rate and round(planner.meter.prefill_rate)}
+    res["rates_before_hits"] = rates0
+    policies = {"auto": CostModel(), "always": Always(), "never": Never()}
+    for n, p in prompts.items():
+        for name in a.policies.split(","):
+            planner.hit_policy = policies[name]
+            for rep in range(a.repeats):
+                llm.reset_prefix_cache()
+                res.setdefault("dropped_caches", drop_caches())
+                before = planner.stats.copy()
+                t, o = gen([p], one)
+                d = planner.stats.since(before)
+                llm.reset_prefix_cache()
+                drop_caches()
+                _, o16 = gen([p], sixteen)
+                r = res.setdefault(f"{name}_{n}", {"s": [], "loaded_tokens": [], "declined_tokens": []})
+                r["s"].append(round(t, 4))
+                r["loaded_tokens"].append(int(d["hit_tokens"]))
+                r["declined_tokens"].append(int(d["declined_hit_tokens"]))
+                r["cached"] = o[0].num_cached_tokens
+                r["tokens16"] = list(o16[0].outputs[0].token_ids)
+                r["rates"] = {"load_GBps": planner.meter.load_rate and round(planner.meter.load_rate / 1e9, 3),
+                              "prefill_tok_s": planner.meter.prefill_rate and round(planner.meter.prefill_rate)}
+    res["stats"] = dict(vars(planner.stats))
+    return res
+
+
+def summarize(store: dict, hit: dict, lengths, policies) -> list[dict]:
+    rows = []
+    for n in lengths:
+        ref = store.get(f"first_{n}", {}).get("tokens16")
+        never = hit.get(f"never_{n}", {})
+        base = min(never["s"]) if never.get("s") else None
+        for name in policies:
+            r = hit.get(f"{name}_{n}")
+            if not r:
+                continue
+            best = min(r["s"])
+            rows.append({"tokens": n, "policy": name, "s": best, "x_recompute": base and round(best / base, 3),
+                         "loaded": r["loaded_tokens"][-1], "declined": r["declined_tokens"][-1],
+                         "tokens_equal_recompute": r["tokens16"] == never.get("tokens16"),
+                         "tokens_equal_first_prefill": r["tokens16"] == ref})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", default="")
+    ap.add_argument("--out", default="/tmp/load_or_compute")
+    ap.add_argument("--model", default="")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--geometry", default="8b", choices=("8b", "70b"))
+    ap.add_argument("--lengths", default="8192,32768")
+    ap.add_argument("--root", default="/tmp/tutti-loc-disk")
+    ap.add_argument("--capacity", default="24GiB")
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens (vllm serve's on an H200)")
+    ap.add_argument("--gpu-mem", type=float, default=0.6)
+    ap.add_argument("--policies", default="auto,always,never")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--tutti-extra", default="{}", help="more kv_connector_extra_config keys, as JSON")
+    ap.add_argument("--timeout", type=int, default=280)
+    a = ap.parse_args()
+    a.lengths = [int(x) for x in a.lengths.split(",")]
+    if a.phase:
+        print("PHASE_RESULT " + json.dumps(run_phase(a.phase, a)), flush=True)
+        return
+    os.makedirs(a.out, exist_ok=True)
+    if a.tiny:
+        from tutti.demo import make_tiny_model
+
+        a.model = str(make_tiny_model(os.path.join(a.out, "tiny-model"), num_layers=4, vocab=4096,
+                                      max_position=max(a.lengths) + 1024))
+    else:
+        a.model = make_model(os.path.join(a.out, "model"), False, a.geometry)
+    shutil.rmtree(a.root, ignore_errors=True)
+    out: dict = {"geometry": a.geometry, "lengths": a.lengths, "batched_tokens": a.batched_tokens, "phases": {}}
+    for phase in ("store", "hit"):
+        if phase == "hit":
+            out["dropped_caches"] = drop_caches()
+        cmd = [sys.executable, __file__, "--phase", phase, "--model", a.model, "--root", a.root,
+               "--capacity", a.capacity, "--lengths", ",".join(map(str, a.lengths)),
+               "--chunk-tokens", str(a.chunk_tokens), "--batched-tokens", str(a.batched_tokens),
+               "--gpu-mem", str(a.gpu_mem), "--policies", a.policies, "--repeats", str(a.repeats),
+               "--tutti-extra", a.tutti_extra] + (["--tiny"] if a.tiny else [])
+        t = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            lines = [l for l in p.stdout.splitlines() if l.startswith("PHASE_RESULT ")]
+            r = json.loads(lines[-1][13:]) if lines else {"error": (p.stderr or p.stdout)[-4000:]}
+            r["tutti_log"] = [l[-400:] for l in p.stderr.splitlines() if "tutti" in l and "ready" in l][-4:]
+        except subprocess.TimeoutExpired as exc:
+            r = {"error": f"timed out after {a.timeout} s", "stderr": str(exc.stderr)[-3000:]}
+        r["wall_s"] = round(time.perf_counter() - t, 1)
+        out["phases"][phase] = r
+        print(f"LOC {phase} " + json.dumps({k: v for k, v in r.items() if k not in ("tutti_log",)})[:3000], flush=True)
+        if "error" in r:
+            break
+    if "error" not in out["phases"].get("hit", {"error": 1}):
+        out["summary"] = summarize(out["phases"]["store"], out["phases"]["hit"], a.lengths, a.policies.split(","))
+        for row in out["summary"]:
+            print("LOC_ROW " + json.dumps(row), flush=True)
+    with open(os.path.join(a.out, f"load_or_compute_{a.geometry}.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    shutil.rmtree(a.root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
