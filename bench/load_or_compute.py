@@ -13,7 +13,9 @@ cache. Two processes per geometry, one engine each:
             auto     hit_policy auto (the default): what it chose, the time to the first token
             always   the whole hit loaded (tutti before load-or-compute)
             never    recomputed (the baseline of the same process)
-          and 16 greedy tokens of each against the recompute's
+          and 16 greedy tokens of each against the recompute's and against vLLM's own prefix
+          cache holding the same prefix (the hit's compute shape: greedy tokens of seeded
+          weights can flip with the shape, docs/results/kv_proof.md; bytes are proven there)
 
     python3 bench/load_or_compute.py --out $OUT [--geometry 8b|70b] [--lengths 8192,32768]
     python3 bench/load_or_compute.py --out /tmp/loc --tiny        # the CPU smoke run
@@ -120,6 +122,16 @@ def run_phase(phase: str, a) -> dict:
                 r["tokens16"] = list(o16[0].outputs[0].token_ids)
                 r["rates"] = {"load_GBps": planner.meter.load_rate and round(planner.meter.load_rate / 1e9, 3),
                               "prefill_tok_s": planner.meter.prefill_rate and round(planner.meter.prefill_rate)}
+        # the reference in the hit's shape: vLLM's own prefix cache holding the same prefix (its
+        # KV from a prefill of the prefix alone) and the rest computed, as a loaded hit computes it;
+        # greedy tokens of seeded weights can flip with the compute shape (docs/results/kv_proof.md)
+        planner.hit_policy = policies["never"]
+        llm.reset_prefix_cache()
+        m = (n - 1) // a.chunk_tokens * a.chunk_tokens
+        gen([p[:m]], one)
+        _, o16 = gen([p], sixteen)
+        res[f"vllm_prefix_cache_{n}"] = {"cached": o16[0].num_cached_tokens,
+                                         "tokens16": list(o16[0].outputs[0].token_ids)}
     res["stats"] = dict(vars(planner.stats))
     return res
 
@@ -138,6 +150,8 @@ def summarize(store: dict, hit: dict, lengths, policies) -> list[dict]:
             rows.append({"tokens": n, "policy": name, "s": best, "x_recompute": base and round(best / base, 3),
                          "loaded": r["loaded_tokens"][-1], "declined": r["declined_tokens"][-1],
                          "tokens_equal_recompute": r["tokens16"] == never.get("tokens16"),
+                         "tokens_equal_vllm_prefix_cache_same_shape":
+                             r["tokens16"] == hit.get(f"vllm_prefix_cache_{n}", {}).get("tokens16"),
                          "tokens_equal_first_prefill": r["tokens16"] == ref})
     return rows
 

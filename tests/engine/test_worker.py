@@ -567,10 +567,17 @@ def test_async_loads_are_bit_exact_and_fail_block_by_block(tmp_path, mapped):
     before = [c.clone() for c in dst]
     w = worker(tmp_path, dst, mapped_loads=mapped, async_loads=True)
     assert w.async_loads is not None and w.store.maps_ram == mapped
+    adds, add = [], w.counters.add
+    w.counters.add = lambda **kw: (adds.append(dict(kw)), add(**kw))[1]
     loads = [LoadChunk("a", bytes([0]) * 32, 0, (14, 15)), LoadChunk("b", bytes([1]) * 32, 1, (16, 17)),
              LoadChunk("b", bytes([2]) * 32, 2, (18, 19), skip_blocks=1)]
     run_step(w, StepPlan(2, async_step=3, async_loads=loads))
     w.flush()
+    # bytes and the seconds they took arrive in one report (the hit policy's read rate): a report
+    # taken while the job's thread runs never holds bytes without their time
+    moved = [a for a in adds if a.get("bytes_loaded")]
+    assert moved and all(a.get("load_wait_seconds", 0) > 0 for a in moved)
+    assert sum(a["bytes_loaded"] for a in moved) == 3 * L * geometry().segment_bytes  # read (the bad one is judged after)
     if DEV == "cuda":
         torch.cuda.synchronize()
     assert w.received_requests() == ({"a"}, {"b"}, {16, 17})

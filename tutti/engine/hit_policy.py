@@ -166,6 +166,8 @@ class RateMeter:
             self.load_bytes = self.load_bytes * self.decay + nbytes
             self.load_seconds = self.load_seconds * self.decay + max(seconds, 1e-6)
             self._last_load = time.monotonic() if now is None else now
+        elif nbytes == 0 and seconds > 0 and self.load_seconds > 0:
+            self.load_seconds += seconds  # time that moved nothing (failed loads): the store is slower
 
     def load_age(self, now: float | None = None) -> float | None:
         """Seconds since a load was last measured (None: never)."""

@@ -74,6 +74,7 @@ class LoadPipeline:
         self._mapped_ready: object = None  # CUDA event: the chunk-major loads from mapped slabs are scattered
         self._mapped_pending = False  # chunk-major loads issued that no wait_layer has waited for yet
         self._t0 = 0.0
+        self._bytes = 0  # loaded this step, reported with the step's seconds at finish()
         self._waited, self._layerwise = 0.0, False  # the forward's waits of a layer-wise load
         self.trace: list[tuple[str, int, float]] | None = None
 
@@ -107,6 +108,7 @@ class LoadPipeline:
         if not self._loads:
             return
         self._t0 = time.perf_counter()
+        self._bytes = 0
         self._waited, self._layerwise = 0.0, layerwise
         if ctx.cuda:
             # blocks just handed to these requests may still be in use by work already queued
@@ -197,7 +199,7 @@ class LoadPipeline:
                 if loads[i].skip_blocks:
                     for layer in range(L):
                         self._scatter_partial(layer, chunks[i, layer], tuple(loads[i].block_ids), loads[i].skip_blocks)
-        self.counters.add(bytes_loaded=len(good) * L * seg)
+        self._bytes += len(good) * L * seg
 
     def _tags_match(self, ld: LoadChunk, sums: tuple[int, ...], view: torch.Tensor) -> bool:
         """With a secret: every layer's keyed tag, on the host, before anything is copied."""
@@ -268,7 +270,11 @@ class LoadPipeline:
             for ld in self._loads:
                 self._fail(ld, "the forward pass did not wait for this load")
         span = time.perf_counter() - self._t0
-        self.counters.add(load_seconds=span, load_wait_seconds=self._waited if self._layerwise else span)
+        # bytes and seconds in one report: the hit policy's read rate is their ratio, and a report
+        # taken between the two (an asynchronous job's thread) read as an infinitely fast store
+        self.counters.add(bytes_loaded=self._bytes, load_seconds=span,
+                          load_wait_seconds=self._waited if self._layerwise else span)
+        self._bytes = 0
         if self._bad is not None:
             if self.ctx.cuda:
                 with torch.cuda.stream(self.stream):
@@ -432,7 +438,7 @@ class LoadPipeline:
                     ev = torch.cuda.Event()
                     ev.record(self.stream)
                     self._layer_events[item.layer] = ev
-            self.counters.add(bytes_loaded=len(good) * seg)
+            self._bytes += len(good) * seg
         if stalled:  # a late read may still land in this slot: it comes back once every read is done
             self._stragglers.append((item, ev))
         else:
