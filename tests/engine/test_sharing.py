@@ -234,3 +234,37 @@ def test_auto_with_several_workers_takes_only_the_namespaces_slot(tmp_path):
             build_worker(cfg(tmp_path, "auto"), geom, caches=views(make_caches(1)), layout=layout, engine_id="e2")
     finally:
         first.close()
+
+
+def test_every_reader_announces_another_writers_chunks_and_their_removal(tmp_path):
+    """With `announce`, a writer records its chunks' extras beside its journal; every other
+    writer's follower queues ("stored", key, extras) within the follow interval once the chunk is
+    durable there, and ("removed", key, extras) when its owner evicts it."""
+    a = Server(tmp_path, "a", 0)
+    b = Server(tmp_path, "b", 1)
+    a.planner.foreign.close()
+    b.planner.foreign.close()
+    a.planner = build_planner(cfg(tmp_path, "a"), geometry(), announce=True)
+    b.planner = build_planner(cfg(tmp_path, "b"), geometry(), announce=True)
+    try:
+        assert a.planner.writer_id == "a" and a.planner.extras is not None
+        p = prompt(3, 2)
+        _, _, plan = a.request("r1", p, list(range(0, 2 * BPC + 1)))
+        keys = [st.key for st in plan.stores]
+        a.planner.extras.append([(k, {"h": [i]}) for i, k in enumerate(keys)])  # what the connector records
+        t0 = time.monotonic()
+        got = []
+        assert wait_for(lambda: got.extend(b.planner.foreign.take_events()) or len(got) >= 2)
+        assert time.monotonic() - t0 < 1.0
+        assert sorted((kind, k, x["h"][0]) for kind, k, x in got) == sorted(("stored", k, i) for i, k in enumerate(keys))
+        for i in range(2):  # a fills its 4-slot capacity: the first prompt's chunks are evicted
+            a.request(f"fill{i}", prompt(200 + i, 2), list(range(0, 2 * BPC + 1)))
+        gone = []
+        assert wait_for(lambda: gone.extend(e for e in b.planner.foreign.take_events() if e[0] == "removed")
+                        or {k for _, k, _ in gone} >= set(keys))
+        assert not [e for e in a.planner.foreign.take_events() if e[1] in keys]  # a announces its own itself
+    finally:
+        a.planner.extras.close()
+        b.planner.extras.close()
+        a.close()
+        b.close()

@@ -42,11 +42,13 @@ harness.shutdown_llm(llm)
 
 
 class Proc:
-    def __init__(self, model, root):
+    """A vLLM engine in a process of its own, driven over stdin/stdout; `extra`: more connector keys."""
+
+    def __init__(self, model, root, **extra):
         repo = Path(__file__).resolve().parents[2]
         env = dict(os.environ, **harness.ENV_DEFAULTS)
         env["PYTHONPATH"] = os.pathsep.join([str(repo), str(repo / "tests" / "vllm"), env.get("PYTHONPATH", "")])
-        kvt = kv_config(root, follow_interval_s=0.1)  # the same for every server
+        kvt = kv_config(root, follow_interval_s=0.1, **extra)  # the same for every server
         self.p = subprocess.Popen([sys.executable, "-c", SERVER.format(model=str(model), kvt=kvt)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=env, cwd=str(repo))

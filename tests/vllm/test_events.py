@@ -232,3 +232,47 @@ def test_events_name_the_blocks_of_the_identity_that_stored_the_chunk():
     assert all(isinstance(e, BlockStored) for e in ev)
     announced = [h for e in ev for h in e.block_hashes]
     assert announced == [maybe_convert_block_hash(h) for h in req.block_hashes]  # the salted request's own
+
+
+def test_another_writers_chunks_are_announced_from_its_recorded_extras():
+    """What one server announces for its chunk, it records (tutti.io.extras); another server
+    announces the same BlockStored from that record and a BlockRemoved when the owner evicts;
+    a chunk it holds itself, extras that do not parse, and hashes of another hash seed are
+    never announced."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from tutti.engine.planner import Planner
+    from tutti.vllm.events import KVEventTracker
+
+    toks = _prompt(5, 129)
+    req = SimpleNamespace(request_id="r", prompt_token_ids=toks, all_token_ids=toks, cache_salt=None,
+                          lora_request=None, mm_features=None, prompt_embeds=None,
+                          block_hashes=[bytes([i]) * 32 for i in range(4)])
+    p = Planner(num_slots=8, chunk_tokens=64, block_size=32, seed=b"s" * 32)
+    p.match("r", toks, 0)
+    p.update_request("r", all_block_ids=list(range(5)))
+    stores = p.build_step({"r": len(toks)}, {"r": 0}).stores
+    writer = KVEventTracker(chunk_tokens=64, hash_block_size=32, seed=b"s" * 32)
+    writer.add_request(req)
+    writer.planned(stores)
+    own = writer.translate([("stored", [st.key for st in stores])])
+    recorded, removed = writer.take_recorded()
+    assert [k for k, _ in recorded] == [st.key for st in stores] and removed == []
+    import json
+
+    recorded = [(k, json.loads(json.dumps(x))) for k, x in recorded]  # through the file's JSON
+    reader = KVEventTracker(chunk_tokens=64, hash_block_size=32, seed=b"s" * 32)
+    got = reader.translate_foreign([("stored", k, x) for k, x in recorded])
+    assert got == own and all(isinstance(e, BlockStored) and e.medium == "STORAGE" for e in got)
+    k0, x0 = recorded[0]
+    assert reader.translate_foreign([("stored", k0, x0)], own=lambda k: k == k0) == []  # it announces its own
+    gone = reader.translate_foreign([("removed", k0, x0)])
+    assert isinstance(gone[0], BlockRemoved) and gone[0].block_hashes == own[0].block_hashes
+    bad = [dict(x0, h="nope"), dict(x0, h=[True]), dict(x0, t=["a"]), dict(x0, bs=0), dict(x0, ln=5), {"h": []},
+           dict(x0, t=list(range(65))), dict(x0, p={"x": 1}), {}]
+    assert reader.translate_foreign([("stored", k0, x) for x in bad]) == []
+    assert reader.translate_foreign([("stored", k0, dict(x0, s="another-seed"))]) == []
+    writer.translate([("removed", [k0])])
+    assert writer.take_recorded() == ([], [k0])

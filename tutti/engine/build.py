@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -86,9 +87,12 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
     return num_slots
 
 
-def build_planner(raw_config: Mapping[str, Any], geom: Geometry, *, engine_id: str = "") -> Planner:
+def build_planner(raw_config: Mapping[str, Any], geom: Geometry, *, engine_id: str = "",
+                  announce: bool = False) -> Planner:
     """The scheduler's half: the index rebuilt from every rank's journal. `engine_id`: vLLM's,
-    under which this process's worker recorded the writer id it took ("auto")."""
+    under which this process's worker recorded the writer id it took ("auto"). `announce`:
+    chunks are announced (KV events), so this writer records its chunks' extras
+    (`planner.extras`, tutti.io.extras) and follows the other writers' extras."""
     from tutti.engine.hit_policy import get_policy
     from tutti.io.store import ChunkStore
 
@@ -123,12 +127,39 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry, *, engine_id: s
             per_rank.append({slot: e.key for slot, e in store.entries().items()})
         finally:
             store.close()
-    planner.rebuild(rebuild_entries(per_rank))
-    planner.foreign = _foreign_index(raw_config, cfg, geom)
+    own = rebuild_entries(per_rank)
+    planner.rebuild(own)
+    planner.writer_id = cfg.writer_id
+    planner.extras = _extras_writer(cfg, geom, set(own.values())) if announce else None
+    planner.foreign = _foreign_index(raw_config, cfg, geom, announce=announce)
     return planner
 
 
-def _foreign_index(raw_config: Mapping[str, Any], cfg: EngineConfig, geom: Geometry):
+def _writer_dir(cfg: EngineConfig, geom: Geometry, writer_id: str) -> str:
+    """A writer's directory on the first root of the first store rank (where its extras live)."""
+    from tutti.io.store import WRITER_PREFIX, namespace_dir
+
+    tp, pp, _ = geom.store_ranks[0]
+    top = namespace_dir(cfg.roots[0], geom.for_rank(tp, pp).fingerprint())
+    return os.path.join(top, WRITER_PREFIX + writer_id) if writer_id else top
+
+
+def _extras_writer(cfg: EngineConfig, geom: Geometry, live: set[bytes]):
+    """This writer's extras (tutti.io.extras), or None where its directory cannot take them:
+    announcing is advisory, the store works without it."""
+    from tutti.io.extras import ExtrasWriter
+
+    access = store_access(cfg)
+    try:
+        return ExtrasWriter(_writer_dir(cfg, geom, cfg.writer_id),
+                            access.owner_writes() if cfg.writer_id else access, live=live)
+    except OSError as exc:
+        log.warning("tutti: this writer's chunk extras cannot be written (%s): other servers will not "
+                    "announce its chunks", exc)
+        return None
+
+
+def _foreign_index(raw_config: Mapping[str, Any], cfg: EngineConfig, geom: Geometry, *, announce: bool = False):
     """The scheduler's view of the other writers of the namespace (every store rank)."""
     from tutti.engine.sharing import FOREIGN_CAPACITY, ForeignIndex
     from tutti.io.store import ChunkStore, list_writers
@@ -145,8 +176,13 @@ def _foreign_index(raw_config: Mapping[str, Any], cfg: EngineConfig, geom: Geome
         return ChunkStore(list(rank_cfgs[i].roots), geom.for_rank(tp, pp).fingerprint(),
                           capacity_bytes=FOREIGN_CAPACITY, writer=False, access=store_access(cfg), writer_id=writer)
 
+    def open_extras(writer: str):
+        from tutti.io.extras import ExtrasReader
+
+        return ExtrasReader(_writer_dir(rank_cfgs[0], geom, writer), store_access(cfg))
+
     return ForeignIndex(own_id=cfg.writer_id, num_ranks=len(ranks), list_writers=writers, open_reader=open_reader,
-                        interval_s=cfg.follow_interval_s)
+                        interval_s=cfg.follow_interval_s, open_extras=open_extras if announce else None)
 
 
 def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file, access, maps):

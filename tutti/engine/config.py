@@ -217,7 +217,7 @@ class EngineConfig:
     # Publish tutti's KV events (BlockStored/BlockRemoved, medium STORAGE) on this ZMQ endpoint
     # in vLLM's wire format; "" = off (events still go through vLLM's --kv-events-config).
     kv_events_endpoint: str = ""
-    kv_events_topic: str = ""  # ZMQ topic; llm-d expects "kv@<pod>@<model>"; {host}, {model} expand
+    kv_events_topic: str = ""  # ZMQ topic; llm-d expects "kv@<pod>@<model>"; {host}, {model}, {writer} expand
     # Keyed integrity (tutti.io.integrity): the secret from a file or an environment variable;
     # only where it comes from is kept here, never the secret itself.
     secret_file: str = ""

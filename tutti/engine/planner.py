@@ -125,6 +125,8 @@ class Planner:
         self._bad: set[bytes] = set()  # keys that failed to load, dropped once unpinned
         # The other writers of a shared namespace (tutti.engine.sharing.ForeignIndex), or None.
         self.foreign = foreign
+        self.writer_id = ""  # the writer slot this server took (set by build_planner)
+        self.extras = None  # tutti.io.extras.ExtrasWriter where chunks are announced (build_planner)
         self._foreign_loads: dict[bytes, tuple[str, int]] = {}  # in flight: key -> (writer, slot)
         self._step_foreign: dict[int, list[bytes]] = {}
         # Load or compute (tutti.engine.hit_policy): the policy, the rates it is given, and the

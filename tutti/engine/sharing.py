@@ -35,8 +35,19 @@ class ForeignIndex:
     """
 
     def __init__(self, *, own_id: str, num_ranks: int, list_writers: Callable[[], list[str]],
-                 open_reader: Callable[[int, str], object], interval_s: float = 0.2) -> None:
+                 open_reader: Callable[[int, str], object], interval_s: float = 0.2,
+                 open_extras: Callable[[str], object] | None = None) -> None:
+        """`open_extras(writer)`: a tutti.io.extras.ExtrasReader of that writer's extras, to
+        announce its chunks (take_events); None: nothing is announced."""
         self.own_id = own_id
+        self._open_extras = open_extras
+        self._extras_readers: dict[str, object] = {}
+        self._extras: dict[bytes, tuple[str, dict, int]] = {}  # key -> (writer, extras, refresh seen)
+        self._announced: dict[bytes, dict] = {}  # key -> the extras it was announced with
+        self._events: list[tuple[str, bytes, dict]] = []
+        # set: announcements go to it from the follow thread as they are found (a publisher of
+        # its own: an idle server announces too); unset: they queue for take_events()
+        self.on_events: Callable[[list[tuple[str, bytes, dict]]], None] | None = None
         self.num_ranks = num_ranks
         self._list_writers = list_writers
         self._open_reader = open_reader
@@ -107,8 +118,55 @@ class ForeignIndex:
         with self._lock:
             self._map = new
             self._bad = {b for b in self._bad if new.get(b[2]) == (b[0], b[1])}
+        if self._open_extras is not None:
+            self._follow_extras(new)
         self.refreshes += 1
         self.last_refresh_s = time.perf_counter() - t0
+
+    def _follow_extras(self, new: dict[bytes, tuple[str, int]]) -> None:
+        """Read what the followed writers appended to their extras, then queue an announcement
+        for each chunk now held with its extras known, and a removal for each announced chunk
+        no writer holds any more. A writer appends a chunk's extras after its journal record,
+        so extras may be read before the record: they wait a few refreshes for it."""
+        n = self.refreshes
+        for w, readers in self._readers.items():
+            if not readers:
+                continue
+            rd = self._extras_readers.get(w)
+            if rd is None:
+                try:
+                    rd = self._extras_readers[w] = self._open_extras(w)
+                except Exception as exc:  # noqa: BLE001 - announcing is advisory: its chunks still load
+                    log.debug("tutti: extras of writer %r: %s", w, exc)
+                    continue
+            try:
+                for key, x in rd.poll():
+                    self._extras[key] = (w, x, n)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("tutti: extras of writer %r: %s", w, exc)
+        events = []
+        for key, (w, _slot) in new.items():
+            got = self._extras.get(key)
+            if key not in self._announced and got is not None:
+                self._announced[key] = got[1]
+                events.append(("stored", key, got[1]))
+        for key in [k for k in self._announced if k not in new]:
+            events.append(("removed", key, self._announced.pop(key)))
+        self._extras = {k: v for k, v in self._extras.items() if k in new or n - v[2] < 20}
+        if events and self.on_events is not None:
+            try:
+                self.on_events(events)
+            except Exception:  # noqa: BLE001 - announcing is advisory
+                log.exception("tutti: announcing other writers' chunks failed")
+        elif events:
+            with self._lock:
+                self._events.extend(events)
+
+    def take_events(self) -> list[tuple[str, bytes, dict]]:
+        """("stored" | "removed", key, extras) of other writers' chunks since the last call."""
+        with self._lock:
+            out, self._events = self._events, []
+        return out
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -116,7 +116,11 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         self._events: KVEventTracker | None = None
         self._publisher: EventPublisher | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._planner = build_planner(self._extra, self._geom, engine_id=self._engine_id)
+            # chunks are announced where events go anywhere: then this writer records its chunks'
+            # extras and announces the other writers' (any replica can load them)
+            kec = getattr(vllm_config, "kv_events_config", None)
+            announce = bool(self._cfg.kv_events_endpoint or getattr(kec, "enable_kv_cache_events", False))
+            self._planner = build_planner(self._extra, self._geom, engine_id=self._engine_id, announce=announce)
             self._planner.asynchronous = self._async_loads  # the hit policy models this load mode
             self._planner.step_tokens = compat.step_tokens(vllm_config) or 8192
             self._sched_stats = SchedulerStatsTracker(self._planner.index.num_slots * self._planner.slot_bytes)
@@ -128,8 +132,11 @@ class TuttiConnectorV1(KVConnectorBase_V1):
                 dp = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
                 self._publisher = EventPublisher(
                     self._cfg.kv_events_endpoint, data_parallel_rank=dp,
-                    topic=expand_topic(self._cfg.kv_events_topic, str(vllm_config.model_config.served_model_name)))
+                    topic=expand_topic(self._cfg.kv_events_topic, str(vllm_config.model_config.served_model_name),
+                                       self._planner.writer_id))
             foreign = self._planner.foreign
+            if foreign is not None and self._publisher is not None and self._planner.extras is not None:
+                foreign.on_events = self._publish_foreign  # as found, whether this server steps or not
             logger.debug(
                 "tutti: scheduler ready: roots=%s capacity=%d B (%d chunks of %d tokens), %d chunks resident, "
                 "writer %r, %d chunks of %d other writers, events=%s", list(self._cfg.roots), self._cfg.capacity_bytes,
@@ -275,12 +282,15 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._worker.close()
             self._worker = None
             claims.release(self._engine_id)  # its writer slot's lock is gone with its store
+        if self._planner is not None and self._planner.foreign is not None:
+            self._planner.foreign.close()  # stops following the other writers (and announcing them)
+            self._planner.foreign = None
         if self._publisher is not None:
             self._publisher.shutdown()
             self._publisher = None
-        if self._planner is not None and self._planner.foreign is not None:
-            self._planner.foreign.close()  # stops following the other writers
-            self._planner.foreign = None
+        if self._planner is not None and self._planner.extras is not None:
+            self._planner.extras.close()
+            self._planner.extras = None
 
     # ================================================================== scheduler side
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -361,9 +371,30 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         if self._planner is None or self._events is None:
             return ()
         events = self._events.translate(self._planner.take_events())
+        recorded, removed = self._events.take_recorded()
+        extras = self._planner.extras
+        if extras is not None and (recorded or removed):
+            try:
+                extras.append(recorded)
+                extras.forget(removed)
+            except OSError as exc:  # advisory: other servers then do not announce these chunks
+                logger.warning("tutti: recording chunk extras failed: %s", exc)
+        foreign = self._planner.foreign
+        if foreign is not None and extras is not None and foreign.on_events is None:
+            # no publisher of tutti's own: vLLM's publisher carries them, when this server steps
+            events = events + self._events.translate_foreign(foreign.take_events(), own=self._planner.index.__contains__)
         if events and self._publisher is not None:
             self._publisher.publish(events)
         return events
+
+    def _publish_foreign(self, found: list) -> None:
+        """From the follow thread: other writers' chunks (and removals) on tutti's publisher."""
+        planner, publisher = self._planner, self._publisher
+        if planner is None or publisher is None or self._events is None:
+            return
+        events = self._events.translate_foreign(found, own=planner.index.__contains__)
+        if events:
+            publisher.publish(events)
 
     def get_kv_connector_stats(self) -> TuttiKVConnectorStats | None:
         """Worker: bytes/seconds moved and stores skipped since the last call. Scheduler (vLLM

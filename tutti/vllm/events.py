@@ -46,6 +46,33 @@ class _ChunkMeta:
     lora_name: str | None = None
 
 
+def _enc(h: Any) -> Any:
+    """A vLLM block hash for JSON (tutti.io.extras): bytes as hex, ints as they are."""
+    return h.hex() if isinstance(h, (bytes, bytearray)) else int(h)
+
+
+def _dec(v: Any) -> Any:
+    """The inverse of _enc for hostile input: a hash, or ValueError."""
+    if isinstance(v, bool):
+        raise ValueError("a boolean is no block hash")
+    if isinstance(v, int) and 0 <= v < 1 << 256:
+        return v
+    if isinstance(v, str) and 0 < len(v) <= 128:
+        return bytes.fromhex(v)
+    raise ValueError(f"not a block hash: {v!r:.40}")
+
+
+def hash_seed_digest() -> str:
+    """Which hash seed this process's vLLM chains block hashes from (its NONE_HASH, from
+    PYTHONHASHSEED or random): another server's hashes mean something to a router only if its
+    seed is the same."""
+    import hashlib
+
+    from vllm.v1.core import kv_cache_utils
+
+    return hashlib.blake2b(repr(getattr(kv_cache_utils, "NONE_HASH", None)).encode(), digest_size=8).hexdigest()
+
+
 def _external(h: Any) -> Any:
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
@@ -77,6 +104,12 @@ class KVEventTracker:
         self._requests: dict[str, Any] = {}
         self._key_index: dict[str, dict[bytes, int]] = {}
         self._meta: dict[bytes, _ChunkMeta] = {}
+        # (key, extras) of own chunks announced since take_recorded(), for other servers to
+        # announce (tutti.io.extras); keys of own chunks removed since
+        self._recorded: list[tuple[bytes, dict[str, Any]]] = []
+        self._removed: list[bytes] = []
+        self._seed: str | None = None
+        self._foreign_seeds_warned: set[str] = set()
 
     # -- requests (from get_num_new_matched_tokens / request_finished) --------------------------
     def add_request(self, request: Any) -> None:
@@ -132,6 +165,7 @@ class KVEventTracker:
                 if kind == "stored":
                     out.append(self._stored(key))
                 elif kind == "removed":
+                    self._removed.append(key)
                     meta = self._meta.pop(key, None)
                     hashes = meta.block_hashes if meta else [_key_hash(key)]
                     out.append(BlockRemoved(block_hashes=list(hashes), medium=self.medium))
@@ -145,13 +179,73 @@ class KVEventTracker:
             return BlockStored(block_hashes=[_key_hash(key)], parent_block_hash=None, token_ids=[],
                                block_size=0, lora_id=None, medium=self.medium, lora_name=None)
         tokens, meta.token_ids = meta.token_ids or [], None
+        if self._seed is None:
+            self._seed = hash_seed_digest()
+        self._recorded.append((key, {"h": [_enc(h) for h in meta.block_hashes],
+                                     "p": None if meta.parent is None else _enc(meta.parent), "t": tokens,
+                                     "bs": self.hash_block_size, "l": meta.lora_id, "ln": meta.lora_name,
+                                     "s": self._seed}))
         return BlockStored(block_hashes=list(meta.block_hashes), parent_block_hash=meta.parent,
                            token_ids=tokens, block_size=self.hash_block_size, lora_id=meta.lora_id,
                            medium=self.medium, lora_name=meta.lora_name)
 
 
-def expand_topic(topic: str, model: str) -> str:
-    return topic.replace("{host}", socket.gethostname()).replace("{model}", model)
+    def take_recorded(self) -> tuple[list[tuple[bytes, dict[str, Any]]], list[bytes]]:
+        """(key, extras) of own chunks announced, and own keys removed, since the last call."""
+        out = (self._recorded, self._removed)
+        self._recorded, self._removed = [], []
+        return out
+
+    # -- other writers' chunks (tutti.engine.sharing.ForeignIndex.take_events) ------------------
+    def translate_foreign(self, events: Iterable[tuple[str, bytes, dict]],
+                          own: Any = lambda key: False) -> list[KVCacheEvent]:
+        """Announce chunks another writer holds (any replica can load them) from the extras it
+        recorded; skipped: chunks this server holds itself (`own(key)`: it announces those),
+        extras that do not parse (hostile input), and hashes chained from another hash seed
+        (they would match nothing a router computes for this server)."""
+        out: list[KVCacheEvent] = []
+        if self._seed is None:
+            self._seed = hash_seed_digest()
+        for kind, key, x in events:
+            if own(key):
+                continue
+            try:
+                hashes = [_dec(h) for h in x["h"]]
+                if not 0 < len(hashes) <= 4096:
+                    raise ValueError("block hash count")
+                if x.get("s") != self._seed:
+                    writer_seed = str(x.get("s"))[:32]
+                    if writer_seed not in self._foreign_seeds_warned:
+                        self._foreign_seeds_warned.add(writer_seed)
+                        logger.warning("tutti: another writer chains vLLM block hashes from another seed (set the "
+                                       "same PYTHONHASHSEED on every replica): its chunks load here but are not "
+                                       "announced")
+                    continue
+                if kind == "removed":
+                    out.append(BlockRemoved(block_hashes=hashes, medium=self.medium))
+                    continue
+                parent = None if x.get("p") is None else _dec(x["p"])
+                tokens = x.get("t") or []
+                bs = x.get("bs")
+                lora_id, lora_name = x.get("l"), x.get("ln")
+                if (not isinstance(tokens, list) or len(tokens) > self.chunk_tokens
+                        or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in tokens)
+                        or not isinstance(bs, int) or isinstance(bs, bool) or not 0 < bs <= 1 << 20
+                        or not (lora_id is None or (isinstance(lora_id, int) and not isinstance(lora_id, bool)))
+                        or not (lora_name is None or (isinstance(lora_name, str) and len(lora_name) <= 1024))):
+                    raise ValueError("fields")
+            except (KeyError, TypeError, ValueError):
+                continue
+            out.append(BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=list(tokens),
+                                   block_size=bs, lora_id=lora_id, medium=self.medium, lora_name=lora_name))
+        return out
+
+
+def expand_topic(topic: str, model: str, writer: str = "") -> str:
+    """`{host}`, `{model}` and `{writer}` (the writer id this server took; `0` for the
+    namespace's own slot) in a topic: one config for every replica, a topic each."""
+    return (topic.replace("{host}", socket.gethostname()).replace("{model}", model)
+            .replace("{writer}", writer or "0"))
 
 
 class EventPublisher:
