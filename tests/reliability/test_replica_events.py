@@ -2,7 +2,8 @@
 on one root, each publishing tutti's KV events on its own topic to one subscriber, decoded with
 vLLM's own event classes. A chunk one server stores is announced by every server (any of them
 can load it), and a request routed by those announcements to a server that did not store the
-prefix hits it there, with recompute's tokens."""
+prefix hits it there, with recompute's tokens; a replica restarted with the same config
+announces what it can load before it serves anything."""
 
 from __future__ import annotations
 
@@ -77,6 +78,14 @@ def test_every_replica_announces_what_any_can_load_and_a_routed_request_hits(tin
         assert out["cached"] == [full] and out["tokens"] == want[1:]
         assert out["stats"]["stores_committed"] == 0 and out["stats"]["loads_failed"] == 0
         assert target is c
+        # a replica restarted with the same config announces, without a request, what it can load
+        b_topic = next(t for t in topics if "auto-1" in t)
+        servers["b"].quit()
+        before = len(by_topic("BlockStored").get(b_topic, []))
+        servers["b"] = Proc(tiny_model, root, **extra)
+        servers["b"].wait_ready()
+        sub.drain(lambda: len(by_topic("BlockStored").get(b_topic, [])) >= before + n, timeout=30)
+        assert set(by_topic("BlockStored")[b_topic][before:]) == hashes[own]
     finally:
         for s in servers.values():
             if s.p.poll() is None:

@@ -153,7 +153,7 @@ class ForeignIndex:
         for key in [k for k in self._announced if k not in new]:
             events.append(("removed", key, self._announced.pop(key)))
         self._extras = {k: v for k, v in self._extras.items() if k in new or n - v[2] < 20}
-        if events and self.on_events is not None:
+        if self.on_events is not None:  # every refresh, even with nothing new (it may flush its own)
             try:
                 self.on_events(events)
             except Exception:  # noqa: BLE001 - announcing is advisory

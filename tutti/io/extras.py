@@ -56,6 +56,12 @@ class ExtrasWriter:
         line = self._live.get(key)
         return None if line is None else json.loads(line)["x"]
 
+    def items(self) -> list[tuple[bytes, dict[str, Any]]]:
+        """(key, extras) of every chunk this writer holds extras for."""
+        with self._lock:
+            lines = list(self._live.items())
+        return [(k, json.loads(line)["x"]) for k, line in lines]
+
     def append(self, items: Iterable[tuple[bytes, dict[str, Any]]]) -> int:
         """Write these chunks' extras (one write call); returns how many lines were written."""
         out = []

@@ -12,6 +12,8 @@ layer by layer (tutti.engine.worker). This module only translates callbacks.
 
 from __future__ import annotations
 
+import threading
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable
@@ -135,7 +137,19 @@ class TuttiConnectorV1(KVConnectorBase_V1):
                     topic=expand_topic(self._cfg.kv_events_topic, str(vllm_config.model_config.served_model_name),
                                        self._planner.writer_id))
             foreign = self._planner.foreign
-            if foreign is not None and self._publisher is not None and self._planner.extras is not None:
+            self._startup_events: list = []
+            self._startup_at = time.monotonic()
+            self._startup_lock = threading.Lock()
+            extras = self._planner.extras
+            if extras is not None:
+                # what this server can load from its first step: its own chunks from an earlier run
+                # (as recorded) and the other writers' (as found by the first refresh)
+                # (translated when sent: vLLM sets its hash seed after this connector is built)
+                self._events.lookup = extras.lookup
+                self._startup_events = [(False, [("stored", k, x) for k, x in extras.items()])]
+                if foreign is not None:
+                    self._startup_events.append((True, foreign.take_events()))
+            if foreign is not None and self._publisher is not None and extras is not None:
                 foreign.on_events = self._publish_foreign  # as found, whether this server steps or not
             logger.debug(
                 "tutti: scheduler ready: roots=%s capacity=%d B (%d chunks of %d tokens), %d chunks resident, "
@@ -370,7 +384,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         step; also sent on tutti's own publisher when kv_events_endpoint is set."""
         if self._planner is None or self._events is None:
             return ()
-        events = self._events.translate(self._planner.take_events())
+        events = self._take_startup_events() + self._events.translate(self._planner.take_events())
         recorded, removed = self._events.take_recorded()
         extras = self._planner.extras
         if extras is not None and (recorded or removed):
@@ -388,13 +402,24 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         return events
 
     def _publish_foreign(self, found: list) -> None:
-        """From the follow thread: other writers' chunks (and removals) on tutti's publisher."""
+        """From the follow thread: other writers' chunks (and removals) on tutti's publisher,
+        after the start-up announcements (held for a second: subscribers connect first)."""
         planner, publisher = self._planner, self._publisher
         if planner is None or publisher is None or self._events is None:
             return
-        events = self._events.translate_foreign(found, own=planner.index.__contains__)
+        events = self._take_startup_events(wait_s=1.0)
+        events += self._events.translate_foreign(found, own=planner.index.__contains__)
         if events:
             publisher.publish(events)
+
+    def _take_startup_events(self, wait_s: float = 0.0) -> list:
+        if not self._startup_events or time.monotonic() - self._startup_at < wait_s:
+            return []
+        with self._startup_lock:  # the scheduler's thread or the follow thread: taken once
+            raw, self._startup_events = self._startup_events, []
+        own = self._planner.index.__contains__
+        return [e for foreign, found in raw
+                for e in self._events.translate_foreign(found, own=own if foreign else (lambda key: False))]
 
     def get_kv_connector_stats(self) -> TuttiKVConnectorStats | None:
         """Worker: bytes/seconds moved and stores skipped since the last call. Scheduler (vLLM

@@ -62,7 +62,7 @@ def _dec(v: Any) -> Any:
     raise ValueError(f"not a block hash: {v!r:.40}")
 
 
-def hash_seed_digest() -> str:
+def hash_seed_digest() -> str | None:
     """Which hash seed this process's vLLM chains block hashes from (its NONE_HASH, from
     PYTHONHASHSEED or random): another server's hashes mean something to a router only if its
     seed is the same."""
@@ -70,7 +70,10 @@ def hash_seed_digest() -> str:
 
     from vllm.v1.core import kv_cache_utils
 
-    return hashlib.blake2b(repr(getattr(kv_cache_utils, "NONE_HASH", None)).encode(), digest_size=8).hexdigest()
+    seed = getattr(kv_cache_utils, "NONE_HASH", None)
+    if seed is None:  # vLLM sets it after the scheduler (and this connector) is built
+        return None
+    return hashlib.blake2b(repr(seed).encode(), digest_size=8).hexdigest()
 
 
 def _external(h: Any) -> Any:
@@ -109,6 +112,7 @@ class KVEventTracker:
         self._recorded: list[tuple[bytes, dict[str, Any]]] = []
         self._removed: list[bytes] = []
         self._seed: str | None = None
+        self.lookup = None  # key -> this writer's recorded extras (tutti.io.extras.ExtrasWriter.lookup)
         self._foreign_seeds_warned: set[str] = set()
 
     # -- requests (from get_num_new_matched_tokens / request_finished) --------------------------
@@ -167,7 +171,7 @@ class KVEventTracker:
                 elif kind == "removed":
                     self._removed.append(key)
                     meta = self._meta.pop(key, None)
-                    hashes = meta.block_hashes if meta else [_key_hash(key)]
+                    hashes = meta.block_hashes if meta else self._recorded_hashes(key)
                     out.append(BlockRemoved(block_hashes=list(hashes), medium=self.medium))
                 else:
                     raise ValueError(f"planner event kind {kind!r}: expected 'stored' or 'removed'")
@@ -189,6 +193,15 @@ class KVEventTracker:
                            token_ids=tokens, block_size=self.hash_block_size, lora_id=meta.lora_id,
                            medium=self.medium, lora_name=meta.lora_name)
 
+
+    def _recorded_hashes(self, key: bytes) -> list[Any]:
+        """A chunk resident from an earlier run: the hashes this writer recorded for it
+        (`lookup`, its extras), else a stand-in (first 8 bytes of tutti's key)."""
+        x = self.lookup(key) if self.lookup is not None else None
+        try:
+            return [_dec(h) for h in x["h"]] if x else [_key_hash(key)]
+        except (KeyError, TypeError, ValueError):
+            return [_key_hash(key)]
 
     def take_recorded(self) -> tuple[list[tuple[bytes, dict[str, Any]]], list[bytes]]:
         """(key, extras) of own chunks announced, and own keys removed, since the last call."""
@@ -215,7 +228,7 @@ class KVEventTracker:
                     raise ValueError("block hash count")
                 if x.get("s") != self._seed:
                     writer_seed = str(x.get("s"))[:32]
-                    if writer_seed not in self._foreign_seeds_warned:
+                    if self._seed is not None and writer_seed not in self._foreign_seeds_warned:
                         self._foreign_seeds_warned.add(writer_seed)
                         logger.warning("tutti: another writer chains vLLM block hashes from another seed (set the "
                                        "same PYTHONHASHSEED on every replica): its chunks load here but are not "
