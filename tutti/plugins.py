@@ -1,5 +1,5 @@
 """One resolver for the "package.module:attr" form every registry takes (kernel variants, hit
-policies): import the module, walk the dotted attribute, and say what failed, naming the key."""
+policies, IO backends): import the module, walk the dotted attribute, and say what failed, naming the key."""
 
 from __future__ import annotations
 

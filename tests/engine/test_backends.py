@@ -35,7 +35,7 @@ def test_bad_backends_and_options_are_refused_naming_the_key(tmp_path):
         EngineConfig.from_dict({**base, "io_backend": "nope"})
     with pytest.raises(ValueError, match=r"io_backend='no_such_module:X': cannot import module"):
         EngineConfig.from_dict({**base, "io_backend": "no_such_module:X"})
-    with pytest.raises(ValueError, match=r"io_backend='iobackend_example:nothing': module .* has no callable"):
+    with pytest.raises(ValueError, match=r"io_backend='iobackend_example:nothing': module .* has no attribute"):
         EngineConfig.from_dict({**base, "io_backend": "iobackend_example:nothing"})
     with pytest.raises(ValueError, match=r"io_options=\['x'\]: expected a mapping"):
         EngineConfig.from_dict({**base, "io_options": ["x"]})

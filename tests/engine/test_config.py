@@ -249,3 +249,16 @@ def test_a_nul_in_a_root_and_a_root_listed_twice_are_refused(tmp_path):
         EngineConfig.from_dict({"roots": [str(tmp_path), str(tmp_path) + "/"], "capacity_bytes": "1GiB"})
     assert len(EngineConfig.from_dict({"roots": [str(tmp_path / "a"), str(tmp_path / "b")],
                                        "capacity_bytes": "1GiB"}).roots) == 2
+
+
+def test_one_parse_serves_every_rank(tmp_path):
+    """`{rank}` roots: a config parsed once gives each rank's roots as a fresh parse would
+    (EngineConfig.for_rank / .of, what build_planner and build_worker use)."""
+    raw = {"roots": [str(tmp_path / "a-{rank}"), str(tmp_path / "b")], "capacity_bytes": "1GiB", "writer_id": "w1"}
+    cfg = EngineConfig.from_dict(raw, rank=0)
+    for rank in (0, 1, 5):
+        assert cfg.for_rank(rank) == EngineConfig.from_dict(raw, rank=rank)
+        assert EngineConfig.of(cfg, rank=rank) == EngineConfig.of(raw, rank=rank)
+    assert cfg.for_rank(1).roots == (str(tmp_path / "a-1"), str(tmp_path / "b"))
+    plain = EngineConfig.from_dict({"root": str(tmp_path), "capacity_bytes": "1GiB"})
+    assert plain.for_rank(7) is plain

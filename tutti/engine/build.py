@@ -87,7 +87,7 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
     return num_slots
 
 
-def build_planner(raw_config: Mapping[str, Any], geom: Geometry, *, engine_id: str = "",
+def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry, *, engine_id: str = "",
                   announce: bool = False) -> Planner:
     """The scheduler's half: the index rebuilt from every rank's journal. `engine_id`: vLLM's,
     under which this process's worker recorded the writer id it took ("auto"). `announce`:
@@ -96,14 +96,13 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry, *, engine_id: s
     from tutti.engine.hit_policy import get_policy
     from tutti.io.store import ChunkStore
 
-    cfg = EngineConfig.from_dict(raw_config, rank=0)
+    cfg = EngineConfig.of(raw_config, rank=0)  # parsed once; other ranks: cfg.for_rank
     if cfg.writer_id == claims.AUTO:  # the slot this engine's worker took (tutti.engine.claims)
         took = claims.claimed(engine_id) if engine_id else None
         if took is None and geom.num_workers == 1:
             log.info("tutti: no worker of engine %r in this process recorded its writer id; the scheduler "
                      "assumes the namespace's writer slot ('')", engine_id)
-        raw_config = {**raw_config, "writer_id": took or ""}
-        cfg = EngineConfig.from_dict(raw_config, rank=0)
+        cfg = dataclasses.replace(cfg, writer_id=took or "")
     num_slots = check_geometry(cfg, geom)
     mac = segment_mac(cfg)
     geom = with_integrity(geom, mac)
@@ -114,7 +113,7 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry, *, engine_id: s
                       hit_policy=get_policy(cfg.hit_policy))
     per_rank = []
     for tp, pp, rank in geom.store_ranks:
-        rcfg = EngineConfig.from_dict(raw_config, rank=rank)
+        rcfg = cfg.for_rank(rank)
         try:
             store = ChunkStore(list(rcfg.roots), geom.for_rank(tp, pp).fingerprint(),
                                capacity_bytes=cfg.capacity_bytes, writer=False,
@@ -131,7 +130,7 @@ def build_planner(raw_config: Mapping[str, Any], geom: Geometry, *, engine_id: s
     planner.rebuild(own)
     planner.writer_id = cfg.writer_id
     planner.extras = _extras_writer(cfg, geom, set(own.values())) if announce else None
-    planner.foreign = _foreign_index(raw_config, cfg, geom, announce=announce)
+    planner.foreign = _foreign_index(cfg, geom, announce=announce)
     return planner
 
 
@@ -159,13 +158,13 @@ def _extras_writer(cfg: EngineConfig, geom: Geometry, live: set[bytes]):
         return None
 
 
-def _foreign_index(raw_config: Mapping[str, Any], cfg: EngineConfig, geom: Geometry, *, announce: bool = False):
+def _foreign_index(cfg: EngineConfig, geom: Geometry, *, announce: bool = False):
     """The scheduler's view of the other writers of the namespace (every store rank)."""
     from tutti.engine.sharing import FOREIGN_CAPACITY, ForeignIndex
     from tutti.io.store import ChunkStore, list_writers
 
     ranks = list(geom.store_ranks)
-    rank_cfgs = [EngineConfig.from_dict(raw_config, rank=rank) for _, _, rank in ranks]
+    rank_cfgs = [cfg.for_rank(rank) for _, _, rank in ranks]
     tp0, pp0, _ = ranks[0]
 
     def writers() -> list[str]:
@@ -220,7 +219,7 @@ def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file
     raise AssertionError("unreachable")
 
 
-def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Sequence[torch.Tensor], layout,
+def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry, *, caches: Sequence[torch.Tensor], layout,
                  kernel_blocks_per_block: int = 1, rank: int = 0, async_loads: bool | None = None,
                  step_tokens: int | None = None, engine_id: str = "") -> WorkerPipeline:
     """One worker's half: its store (writer), IO queue, kernels and staging ring. `async_loads`:
@@ -231,7 +230,7 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
     from tutti.io.store import ChunkStore
     from tutti.kernels import get_variant, segment_checksum
 
-    cfg = EngineConfig.from_dict(raw_config, rank=rank).sized_staging(
+    cfg = EngineConfig.of(raw_config, rank=rank).sized_staging(
         segment_bytes=geom.segment_bytes, chunk_bytes=geom.slot_bytes, step_tokens=step_tokens)
     check_geometry(cfg, geom)
     mac = segment_mac(cfg)  # the secret is read once per half, before any IO
@@ -267,7 +266,7 @@ def build_worker(raw_config: Mapping[str, Any], geom: Geometry, *, caches: Seque
         store, cfg = _claim_store(cfg, geom, engine_id, open_file=open_file, access=access, maps=maps)
         store_roots = list(cfg.roots)
     else:  # read the writer rank's namespace, under the writer rank's roots
-        wcfg = EngineConfig.from_dict(raw_config, rank=rank - geom.tp_rank + geom.store_tp_rank)
+        wcfg = cfg.for_rank(rank - geom.tp_rank + geom.store_tp_rank)
         store_roots = list(wcfg.roots)
         # readers never map: the writer creates slabs while serving, and mapping one then would
         # register it with CUDA beside the step (a writer maps its own at start-up, map_all)

@@ -230,6 +230,24 @@ class EngineConfig:
     writer_id: str = "auto"  # "auto": found at start-up (tutti.engine.claims), no per-server setting
     follow_interval_s: float = 0.25  # how often the other writers' journals are followed
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # the roots as given, before `{rank}` was expanded: for_rank() expands them again
+    root_templates: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def for_rank(self, rank: int) -> "EngineConfig":
+        """This config for another rank's store: only `{rank}` in the roots differs, so nothing is
+        parsed or validated again (one parse per process half)."""
+        from dataclasses import replace
+
+        if not self.root_templates or not any("{rank}" in r for r in self.root_templates):
+            return self
+        return replace(self, roots=tuple(resolve_root(r, rank) for r in self.root_templates))
+
+    @classmethod
+    def of(cls, config: "Mapping[str, Any] | EngineConfig", *, rank: int = 0) -> "EngineConfig":
+        """A parsed config, from kv_connector_extra_config (parsed here) or parsed already."""
+        if isinstance(config, EngineConfig):
+            return config.for_rank(rank)
+        return cls.from_dict(config, rank=rank)
 
     @property
     def staging_slot_bytes(self) -> int:
@@ -304,7 +322,7 @@ class EngineConfig:
                               "stripes need one directory each (one per drive), or give a single 'root'")
         if "capacity_bytes" not in raw:
             raise ConfigError("capacity_bytes: missing; give the store's size, e.g. '64GiB'")
-        kw: dict[str, Any] = {"roots": roots, "capacity_bytes": parse_bytes(
+        kw: dict[str, Any] = {"roots": roots, "root_templates": tuple(roots_v), "capacity_bytes": parse_bytes(
             "capacity_bytes", raw.pop("capacity_bytes"))}
         if {"staging_bytes", "staging_slots", "max_inflight_stores"} & set(raw):  # sized by hand
             kw.update(staging_bytes=512 << 20, staging_slots=64, max_inflight_stores=48)

@@ -315,18 +315,12 @@ def resolve_backend(backend: str) -> Callable[..., IOQueue]:
     if backend in _BACKENDS:
         return _BACKENDS[backend]
     if isinstance(backend, str) and ":" in backend:
-        import importlib
+        from tutti.plugins import import_spec
 
-        mod_name, _, attr = backend.partition(":")
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError as exc:
-            raise ValueError(f"io_backend={backend!r}: cannot import module {mod_name!r} ({exc}); give "
-                             "'package.module:attr' of an importable module") from None
-        factory = getattr(mod, attr, None)
+        factory = import_spec(backend, "io_backend")
         if not callable(factory):
-            raise ValueError(f"io_backend={backend!r}: module {mod_name!r} has no callable {attr!r} (an IOQueue "
-                             "subclass or a function returning an IOQueue)")
+            raise ValueError(f"io_backend={backend!r}: {backend.partition(':')[2]!r} is not callable (give an "
+                             "IOQueue subclass or a function returning an IOQueue)")
         return factory
     raise ValueError(
         f"io_backend={backend!r}: unknown backend; expected one of {['auto', *available_backends()]} or "

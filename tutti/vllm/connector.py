@@ -122,7 +122,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             # extras and announces the other writers' (any replica can load them)
             kec = getattr(vllm_config, "kv_events_config", None)
             announce = bool(self._cfg.kv_events_endpoint or getattr(kec, "enable_kv_cache_events", False))
-            self._planner = build_planner(self._extra, self._geom, engine_id=self._engine_id, announce=announce)
+            self._planner = build_planner(self._cfg, self._geom, engine_id=self._engine_id, announce=announce)
             self._planner.asynchronous = self._async_loads  # the hit policy models this load mode
             self._planner.step_tokens = compat.step_tokens(vllm_config) or 8192
             self._sched_stats = SchedulerStatsTracker(self._planner.index.num_slots * self._planner.slot_bytes)
@@ -197,7 +197,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         layout, views, kbpb = compat.discover_layout(self._vllm_config, caches, layer_name=first_attn)
         geom = self._geom.for_rank(*compat.worker_ranks(self._vllm_config))
         try:
-            self._worker = build_worker(self._extra, geom, caches=views, layout=layout,
+            self._worker = build_worker(self._cfg, geom, caches=views, layout=layout,
                                         kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config),
                                         async_loads=self._async_loads and not self._hybrid,
                                         step_tokens=compat.step_tokens(self._vllm_config),
