@@ -80,8 +80,7 @@ class AsyncLoads:
             reqs = {ld.req_id for ld in loads}
             bad = {ld.req_id for ld in loads if ld.key in failed}
             counters = self.pipeline.counters
-            with counters.lock:
-                counters.report.steps_done.append(step)  # the planner unpins their chunks
+            counters.record(steps_done=[step])  # the planner unpins their chunks
             with self._lock:
                 self._received |= reqs - bad
                 self._failed |= bad

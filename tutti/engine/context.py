@@ -14,7 +14,7 @@ import logging
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -191,6 +191,17 @@ class Counters:
             setattr(self.report, name, getattr(self.report, name) + v)
             if name in self._stats:  # the rest go to the scheduler only (load_wait_seconds)
                 self._stats[name] += v
+
+    def record(self, *, stored: Iterable[int] = (), store_failed: Iterable[int] = (),
+               load_failed: Iterable[bytes] = (), steps_done: Iterable[int] = (), **amounts: float) -> None:
+        """Outcomes for the scheduler (tickets, keys, steps) and counters, under one lock hold:
+        a report taken meanwhile has all of them or none."""
+        with self.lock:
+            self.report.stored.extend(stored)
+            self.report.store_failed.extend(store_failed)
+            self.report.load_failed.extend(load_failed)
+            self.report.steps_done.extend(steps_done)
+            self.add_locked(**amounts)
 
     def take_stats(self) -> dict[str, float]:
         with self.lock:

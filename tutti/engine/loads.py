@@ -489,7 +489,6 @@ class LoadPipeline:
                         ld.key.hex()[:16], ld.req_id, why)
             self._failed_keys.add(ld.key)
             self._failed_log.add(ld.key)
-            with self.counters.lock:
-                self.counters.report.load_failed.append(ld.key)
+            self.counters.record(load_failed=[ld.key])
         self._failed_blocks.update(self.ctx.written_blocks(ld.block_ids, ld.skip_blocks))
 

@@ -272,10 +272,9 @@ class StorePipeline:
             return stalled
         for st, cks, _ in done:
             self.journal.put(st.slot, st.key, cks)
-        with self.counters.lock:
-            self.counters.report.stored.extend(st.ticket for st, _, _ in done)
-            self.counters.add_locked(bytes_stored=sum(n for _, _, n in done) * ctx.seg,
-                                     store_seconds=time.perf_counter() - run.t0)
+        self.counters.record(stored=[st.ticket for st, _, _ in done],
+                             bytes_stored=sum(n for _, _, n in done) * ctx.seg,
+                             store_seconds=time.perf_counter() - run.t0)
         self._done([st for st, _, _ in done])
         return stalled
 
@@ -326,10 +325,7 @@ class StorePipeline:
             log.warning("tutti: %d stores skipped (%s): the storage writes slower than prefill fills the staging; "
                         "they are counted in stores_skipped (this is said once); a larger staging (staging_bytes, "
                         "staging_slots, max_inflight_stores) only helps bursts", len(stores), why)
-        with self.counters.lock:
-            if skipped:
-                self.counters.add_locked(stores_skipped=len(stores))
-            self.counters.report.store_failed.extend(st.ticket for st in stores)
+        self.counters.record(store_failed=[st.ticket for st in stores], stores_skipped=len(stores) if skipped else 0)
 
     def _fail(self, stores: Sequence[StoreChunk], why: str, *, skipped: bool = True) -> None:
         with self._lock:

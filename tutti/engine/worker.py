@@ -167,8 +167,7 @@ class WorkerPipeline:
         plan, self._plan = self._plan, None
         if plan is None:
             return
-        with self.counters.lock:
-            self.counters.report.steps_done.append(plan.step)
+        self.counters.record(steps_done=[plan.step])
         if plan.stores and not self._layerwise:
             self.whole_steps["stores"] += 1
         self.stores.run(plan.stores)
