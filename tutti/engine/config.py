@@ -214,6 +214,9 @@ class EngineConfig:
     # read and prefill rates say is faster than recomputing; "always", "never", a registered
     # name or "package.module:attr".
     hit_policy: str = "auto"
+    # Which resident chunk a full store gives up first (tutti.engine.eviction): "lru", "fifo",
+    # a registered name or "package.module:attr".
+    eviction_policy: str = "lru"
     # Publish tutti's KV events (BlockStored/BlockRemoved, medium STORAGE) on this ZMQ endpoint
     # in vLLM's wire format; "" = off (events still go through vLLM's --kv-events-config).
     kv_events_endpoint: str = ""
@@ -362,6 +365,15 @@ class EngineConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             kw["hit_policy"] = v
+        if "eviction_policy" in raw:
+            v = raw.pop("eviction_policy")
+            from tutti.engine.eviction import get_eviction
+
+            try:
+                get_eviction(v)  # a name that resolves, checked before any IO
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            kw["eviction_policy"] = v
         if "io_backend" in raw:
             v = raw.pop("io_backend")
             if not isinstance(v, str):

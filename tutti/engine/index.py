@@ -1,4 +1,5 @@
-"""The chunk index: which chunks are resident in which slots, in LRU order, with pins.
+"""The chunk index: which chunks are resident in which slots, with pins; the order in which a
+full store evicts them is its eviction policy's (tutti.engine.eviction, LRU by default).
 
 It runs in the scheduler's process and owns slot allocation; workers only move bytes into the
 slots it names. A store is pending (invisible to lookups) until `commit`, and a pinned chunk
@@ -7,9 +8,11 @@ slots it names. A store is pending (invisible to lookups) until `commit`, and a 
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
+
+from tutti.engine.eviction import LRU, EvictionPolicy
 
 
 @dataclass(frozen=True)
@@ -22,11 +25,12 @@ class StoreReservation:
 
 
 class ChunkIndex:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, eviction: EvictionPolicy | None = None) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots={num_slots}: the capacity holds no chunk; raise capacity_bytes")
         self.num_slots = num_slots
-        self._resident: OrderedDict[bytes, int] = OrderedDict()  # LRU first
+        self.eviction = eviction if eviction is not None else LRU()
+        self._resident: dict[bytes, int] = {}
         self._pending: dict[bytes, int] = {}
         self._pins: Counter[bytes] = Counter()
         # Free slots: those released below the high-water mark, plus every slot from `_next` on,
@@ -62,7 +66,7 @@ class ChunkIndex:
             n += 1
         if touch:
             for key in keys[:n]:
-                self._resident.move_to_end(key)
+                self.eviction.touched(key)
         return n
 
     # -- pins ----------------------------------------------------------------------------
@@ -99,11 +103,13 @@ class ChunkIndex:
                 self._free.append(self._next)
                 self._next += 1
             if not self._free:
-                victim = next((k for k in self._resident if not self.is_pinned(k)), None)
+                victim = next((k for k in self.eviction.order() if k in self._resident and not self.is_pinned(k)),
+                              None)
                 if victim is None:
                     declined.append(key)
                     continue
                 self._free.append(self._resident.pop(victim))
+                self.eviction.removed(victim)
                 evicted.append(victim)
                 self.evictions += 1
             slot = self._free.pop()
@@ -117,6 +123,7 @@ class ChunkIndex:
         if slot is None:
             return False
         self._resident[key] = slot
+        self.eviction.inserted(key)
         return True
 
     def abort(self, key: bytes) -> bool:
@@ -131,6 +138,7 @@ class ChunkIndex:
         """Remove a resident chunk (found corrupt, say) and free its slot."""
         if key in self._resident and not self.is_pinned(key):
             self._free.append(self._resident.pop(key))
+            self.eviction.removed(key)
             return True
         return False
 
@@ -143,6 +151,7 @@ class ChunkIndex:
         for slot, key in sorted(entries.items()):
             if 0 <= slot < self.num_slots and key not in self._resident:
                 self._resident[key] = slot
+                self.eviction.inserted(key)
                 taken.add(slot)
         self._next = max(taken) + 1 if taken else 0
         self._free = [s for s in range(self._next - 1, -1, -1) if s not in taken]  # holes: pop() gives the lowest

@@ -83,13 +83,13 @@ class Planner:
                  num_workers: int = 1, slot_bytes: int = 0, store_decode: bool = False,
                  num_writers: int | None = None, foreign=None, num_groups: int = 1,
                  state_groups: Sequence[int] = (), hit_policy: HitPolicy | None = None,
-                 step_tokens: int = 8192, asynchronous: bool = False) -> None:
+                 step_tokens: int = 8192, asynchronous: bool = False, eviction=None) -> None:
         if chunk_tokens % block_size:
             raise ValueError(
                 f"chunk_tokens={chunk_tokens}: must be a multiple of the KV cache's block_size={block_size}; "
                 f"try {max(1, round(chunk_tokens / block_size)) * block_size}"
             )
-        self.index = ChunkIndex(num_slots)
+        self.index = ChunkIndex(num_slots, eviction)  # eviction: tutti.engine.eviction (LRU when None)
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size
