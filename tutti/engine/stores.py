@@ -166,9 +166,7 @@ class StorePipeline:
                 with nvtx_range("d2h_wait"):
                     run.ready.synchronize()  # releases the GIL while the copy finishes
             sums = self._tags(run) if self.ctx.mac is not None else run.sums.tolist()
-            if run.free_slots:
-                store.record_free(run.free_slots)
-                store.sync_journal()
+            store.free(run.free_slots)
             held = self._write_chunks(run, sums)
         except Exception as exc:  # noqa: BLE001 - the chunks fail, the writer goes on
             log.exception("tutti: store of %d chunks failed", len(run.chunks))
@@ -262,10 +260,7 @@ class StorePipeline:
             return stalled
         try:
             with nvtx_range("commit"):
-                store.sync_data([st.slot for st, _, _ in done])
-                for st, cks, _ in done:
-                    store.record_put(st.key, st.slot, cks)
-                store.sync_journal()
+                store.commit([(st.key, st.slot, cks) for st, cks, _ in done])
         except OSError as exc:
             log.warning("tutti: making %d chunks durable failed: %s", len(done), exc)
             self._fail([st for st, _, _ in done], f"sync failed: {exc}", skipped=False)

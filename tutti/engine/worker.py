@@ -185,8 +185,7 @@ class WorkerPipeline:
             return  # the writer reads the same bytes, finds them corrupt too and journals the slot free
 
         def free() -> None:
-            self.store.record_free([ld.slot])
-            self.store.sync_journal()
+            self.store.free([ld.slot])
 
         self.writer.submit(free)
 

@@ -737,6 +737,25 @@ class ChunkStore:
             self._check_lock()
             self.journal.sync()
 
+    # -- the durability order, in one place: every writer of chunks goes through these two --
+    def commit(self, puts: Sequence[tuple[bytes, int, Sequence[int]]]) -> None:
+        """Chunks written to their slots become durable and visible: their slab data is synced,
+        then their journal records are appended and synced (a crash in between loses them,
+        never serves them half-written). `puts`: (key, slot, per-layer checksums or tags)."""
+        puts = list(puts)
+        if not puts:
+            return
+        self.sync_data([slot for _, slot, _ in puts])
+        for key, slot, sums in puts:
+            self.record_put(key, slot, sums)
+        self.sync_journal()
+
+    def free(self, slots: Sequence[int]) -> None:
+        """These slots' old contents stop being valid, durably, before anything overwrites them."""
+        if slots:
+            self.record_free(slots)
+            self.sync_journal()
+
     def _check_lock(self) -> None:
         """A writer whose LOCK was unlinked or replaced no longer excludes a second writer: stop."""
         for i, fd in enumerate(self._lock_fds):

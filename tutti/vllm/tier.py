@@ -283,8 +283,7 @@ class TuttiTier(SecondaryTierManager):
             return {}
         cb = self._chunk_bytes
         with self._commit:
-            self._store.record_free([slot for _, slot, _ in work])
-            self._store.sync_journal()
+            self._store.free([slot for _, slot, _ in work])
         ok, tags = {}, {}
         for key, slot, src in work:
             data = self._view[src * cb:(src + 1) * cb]
@@ -300,10 +299,7 @@ class TuttiTier(SecondaryTierManager):
         if done:
             try:
                 with self._commit:
-                    self._store.sync_data([slot for _, slot in done])
-                    for k, slot in done:
-                        self._store.record_put(k, slot, [tags[k]])
-                    self._store.sync_journal()
+                    self._store.commit([(k, slot, [tags[k]]) for k, slot in done])
             except OSError as exc:
                 logger.warning("tutti tier: making %d chunks durable failed: %s", len(done), exc)
                 return {k: False for k in ok}
@@ -334,8 +330,7 @@ class TuttiTier(SecondaryTierManager):
         if bad:
             try:
                 with self._commit:
-                    self._store.record_free(bad)
-                    self._store.sync_journal()
+                    self._store.free(bad)
             except OSError:
                 pass
         return ok
