@@ -14,29 +14,11 @@ import json
 import os
 import sys
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tutti.kernels import segment_checksum, segment_checksum_torch, segment_checksum_triton  # noqa: E402
-
-
-def _fmix(x: int) -> int:
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) % 2**32
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) % 2**32
-    return x ^ (x >> 16)
-
-
-def by_definition(seg: bytes) -> int:
-    s1 = s2 = 0
-    for i, w in enumerate(np.frombuffer(seg, dtype="<u4").tolist()):
-        a = _fmix(w ^ ((0x9E3779B9 * (i + 1)) % 2**32))
-        s1 += a
-        s2 += _fmix((a + 0x68E31DA4) % 2**32)
-    v = (s2 % 2**32) << 32 | s1 % 2**32
-    return v - 2**64 if v >= 2**63 else v
+from tutti.kernels import (segment_checksum, segment_checksum_definition as by_definition,  # noqa: E402
+                           segment_checksum_torch, segment_checksum_triton)
 
 
 def agree() -> dict:

@@ -4,6 +4,7 @@ policies, IO backends): import the module, walk the dotted attribute, and say wh
 from __future__ import annotations
 
 import importlib
+from typing import Any, Mapping
 
 
 def import_spec(spec: str, key: str) -> object:
@@ -18,3 +19,17 @@ def import_spec(spec: str, key: str) -> object:
             raise ValueError(f"{key}={spec!r}: module {mod_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def resolve_name(spec: Any, key: str, registry: Mapping[str, Any]) -> tuple[Any, bool]:
+    """(what `spec` names, whether it was registered): a name of `registry` gives its entry,
+    "package.module:attr" the object it names; anything else is refused naming `key` and the
+    names there are. Each registry then makes its object (an instance, a factory's product)."""
+    names = sorted(registry)
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"{key}={spec!r}: expected one of {names} or 'package.module:attr'")
+    if spec in registry:
+        return registry[spec], True
+    if ":" in spec:
+        return import_spec(spec, key), False
+    raise ValueError(f"{key}={spec!r}: unknown; expected one of {names} or 'package.module:attr'")

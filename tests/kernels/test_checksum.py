@@ -5,25 +5,7 @@ import pytest
 import torch
 
 from tutti.kernels import segment_checksum, segment_checksum_torch, segment_checksum_triton
-
-
-def _fmix(x: int) -> int:
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) % 2**32
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) % 2**32
-    return x ^ (x >> 16)
-
-
-def _by_definition(seg: bytes) -> int:
-    """docs/format.md, written out in plain integers."""
-    s1 = s2 = 0
-    for i, w in enumerate(np.frombuffer(seg, dtype="<u4").tolist()):
-        a = _fmix(w ^ ((0x9E3779B9 * (i + 1)) % 2**32))
-        s1 += a
-        s2 += _fmix((a + 0x68E31DA4) % 2**32)
-    v = (s2 % 2**32) << 32 | s1 % 2**32
-    return v - 2**64 if v >= 2**63 else v
+from tutti.kernels import segment_checksum_definition as _by_definition  # docs/format.md, in plain integers
 
 
 @pytest.mark.parametrize("shape", [(4096,), (3, 8192 + 12), (2, 2, 4096 * 5)])

@@ -356,24 +356,17 @@ class EngineConfig:
                 if not isinstance(v, bool):
                     raise ConfigError(f"{name}={v!r}: expected true or false")
                 kw[name] = v
-        if "hit_policy" in raw:
-            v = raw.pop("hit_policy")
-            from tutti.engine.hit_policy import get_policy
+        from tutti.engine.eviction import get_eviction
+        from tutti.engine.hit_policy import get_policy
 
-            try:
-                get_policy(v)  # a name that resolves, checked before any IO
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            kw["hit_policy"] = v
-        if "eviction_policy" in raw:
-            v = raw.pop("eviction_policy")
-            from tutti.engine.eviction import get_eviction
-
-            try:
-                get_eviction(v)  # a name that resolves, checked before any IO
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            kw["eviction_policy"] = v
+        for name, resolve in (("hit_policy", get_policy), ("eviction_policy", get_eviction)):
+            if name in raw:
+                v = raw.pop(name)
+                try:
+                    resolve(v)  # a name that resolves, checked before any IO
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+                kw[name] = v
         if "io_backend" in raw:
             v = raw.pop("io_backend")
             if not isinstance(v, str):

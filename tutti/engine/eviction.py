@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Iterable, Protocol
 
-from tutti.plugins import import_spec
+from tutti.plugins import resolve_name
 
 
 class EvictionPolicy(Protocol):
@@ -79,18 +79,10 @@ def available_evictions() -> list[str]:
 
 def get_eviction(spec) -> EvictionPolicy:
     """A new policy object from `eviction_policy` (each index needs its own order)."""
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"eviction_policy={spec!r}: expected one of {available_evictions()} or 'package.module:attr'")
-    if spec in _REGISTRY:
-        pol = _REGISTRY[spec]()
-    elif ":" in spec:
-        factory = import_spec(spec, "eviction_policy")
-        if not callable(factory):
-            raise ValueError(f"eviction_policy={spec!r}: not a class or factory of a policy")
-        pol = factory()
-    else:
-        raise ValueError(f"eviction_policy={spec!r}: unknown; expected one of {available_evictions()} or "
-                         "'package.module:attr'")
+    factory, _ = resolve_name(spec, "eviction_policy", _REGISTRY)
+    if not callable(factory):
+        raise ValueError(f"eviction_policy={spec!r}: not a class or factory of a policy")
+    pol = factory()
     missing = [m for m in ("inserted", "touched", "removed", "order") if not callable(getattr(pol, m, None))]
     if missing:
         raise ValueError(f"eviction_policy={spec!r}: its policy has no {', '.join(missing)} method(s) "

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from tutti.plugins import import_spec
+from tutti.plugins import resolve_name
 
 
 @dataclass(frozen=True)
@@ -214,18 +214,14 @@ def get_policy(spec) -> HitPolicy:
     `decide` (passed through)."""
     if hasattr(spec, "decide"):
         return spec
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"hit_policy={spec!r}: expected one of {available_policies()} or 'package.module:attr'")
-    if spec in _REGISTRY:
-        return _REGISTRY[spec]()
-    if ":" in spec:
-        obj = import_spec(spec, "hit_policy")
-        attr = spec.partition(":")[2]
-        pol = obj if hasattr(obj, "decide") and not isinstance(obj, type) else obj()
-        if not callable(getattr(pol, "decide", None)):
-            raise ValueError(f"hit_policy={spec!r}: {attr!r} gives no object with a decide(query, rates) method")
-        return pol
-    raise ValueError(f"hit_policy={spec!r}: unknown; expected one of {available_policies()} or 'package.module:attr'")
+    obj, registered = resolve_name(spec, "hit_policy", _REGISTRY)
+    if registered:
+        return obj()
+    pol = obj if hasattr(obj, "decide") and not isinstance(obj, type) else obj()
+    if not callable(getattr(pol, "decide", None)):
+        raise ValueError(f"hit_policy={spec!r}: {spec.partition(':')[2]!r} gives no object with a decide(query, "
+                         "rates) method")
+    return pol
 
 
 def chunk_floor(tokens: int, q: HitQuery) -> int:

@@ -145,7 +145,7 @@ class ForeignIndex:
             except Exception as exc:  # noqa: BLE001
                 log.debug("tutti: extras of writer %r: %s", w, exc)
         events = []
-        for key, (w, _slot) in new.items():
+        for key in new:
             got = self._extras.get(key)
             if key not in self._announced and got is not None:
                 self._announced[key] = got[1]

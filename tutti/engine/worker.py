@@ -240,7 +240,7 @@ class WorkerPipeline:
             slots = sorted(store.entries())
         except Exception:  # noqa: BLE001 - a store that cannot list its chunks: nothing to measure
             return 0, 0.0
-        per = max(1, ring.slot_bytes // ctx.seg)
+        per = self.loads.per_slot  # segments a load item reads into one staging slot
         if not slots or (slot := ring.try_acquire()) is None:
             return 0, 0.0
         done, t0 = 0, time.perf_counter()

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from .checks import CopyPlan, check_args, word_bytes
-from .checksum import segment_checksum, segment_checksum_torch, segment_checksum_triton
+from .checksum import segment_checksum, segment_checksum_definition, segment_checksum_torch, segment_checksum_triton
 from .conformance import ConformanceReport, check_variant
 from .layout import PagedLayout, infer_roles
 from .reference import kernel_block_ids, layer_byte_views
@@ -60,6 +60,7 @@ __all__ = [
     "register_variant",
     "available_variants",
     "segment_checksum",
+    "segment_checksum_definition",
     "segment_checksum_torch",
     "segment_checksum_triton",
     "check_variant",

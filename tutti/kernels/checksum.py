@@ -129,6 +129,28 @@ def segment_checksum_triton(segments: torch.Tensor, *, splits: int | None = None
     return _combine(sums[:, 0], sums[:, 1], out_shape)
 
 
+def segment_checksum_definition(seg: bytes) -> int:
+    """One segment's checksum as docs/format.md writes it, in plain Python integers with the
+    document's literal constants: the slow, independent reference the torch and Triton variants
+    are checked against (tests, scripts/gpu_checksum.py)."""
+    import struct
+
+    def fmix(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) % 2**32
+        x ^= x >> 13
+        x = (x * 0xC2B2AE35) % 2**32
+        return x ^ (x >> 16)
+
+    s1 = s2 = 0
+    for i, (w,) in enumerate(struct.iter_unpack("<I", seg)):
+        a = fmix(w ^ ((0x9E3779B9 * (i + 1)) % 2**32))
+        s1 += a
+        s2 += fmix((a + 0x68E31DA4) % 2**32)
+    v = (s2 % 2**32) << 32 | s1 % 2**32
+    return v - 2**64 if v >= 2**63 else v
+
+
 def segment_checksum(segments: torch.Tensor) -> torch.Tensor:
     """uint8 (..., S) with S % 4 == 0 -> int64 (...): Triton on CUDA, torch elsewhere."""
     if isinstance(segments, torch.Tensor) and segments.device.type == "cuda":
