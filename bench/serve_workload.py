@@ -44,6 +44,7 @@ METRICS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:external
            "vllm:tutti_skipped_stores", "vllm:tutti_stored_chunks", "vllm:tutti_failed_loads",
            "vllm:tutti_declined_hit_tokens", "vllm:tutti_async_hit_tokens",
            "vllm:tutti_load_bytes", "vllm:tutti_load_seconds", "vllm:tutti_store_bytes", "vllm:tutti_store_seconds",
+           "vllm:tutti_worker_hook_seconds", "vllm:tutti_worker_thread_cpu_seconds", "vllm:tutti_scheduler_hook_seconds",
            "vllm:kv_offload_total_bytes", "vllm:kv_offload_total_time", "vllm:num_preemptions")
 
 
@@ -276,10 +277,11 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["case"] == "none" and "error" not in r), None)
     rows = ["| case | req/s | x none | TTFT mean / p50 / p99 (ms) | TPOT mean / p99 (ms) | hit tokens (connector) | "
-            "vLLM prefix-cache hits | stores skipped |", "|---|---|---|---|---|---|---|---|"]
+            "vLLM prefix-cache hits | stores skipped | tutti host s: worker hooks / threads' CPU / scheduler hooks |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | |")
+            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | |")
             continue
         m = r["metrics"]
         ratio = f"{r['request_throughput'] / base['request_throughput']:.2f}" if base else "-"
@@ -287,7 +289,8 @@ def table(results: list[dict]) -> str:
         rows.append(f"| {r['case']} | {r['request_throughput']:.2f} | {ratio} | {r['mean_ttft_ms']:.0f} / "
                     f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
                     f"{hit:.0f} | {m['vllm:prefix_cache_hits']:.0f} | "
-                    f"{m['vllm:tutti_skipped_stores']:.0f} |")
+                    f"{m['vllm:tutti_skipped_stores']:.0f} | {m['vllm:tutti_worker_hook_seconds']:.2f} / "
+                    f"{m['vllm:tutti_worker_thread_cpu_seconds']:.2f} / {m['vllm:tutti_scheduler_hook_seconds']:.2f} |")
     return "\n".join(rows)
 
 

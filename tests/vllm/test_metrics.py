@@ -290,6 +290,10 @@ def test_metrics_and_startup_line_on_a_running_vllm_server(tiny_model, tmp_path)
     assert _metric(text, "vllm:tutti_store_bytes_total") >= 4 * 2 * seg  # 4 chunks x 2 layers
     assert _metric(text, "vllm:tutti_hit_tokens_total") == 4 * 64
     assert _metric(text, "vllm:tutti_load_bytes_total") == 4 * 2 * seg
+    # host costs are counted (tutti.engine.hostcost): both halves' hooks, and the writer's thread
+    assert _metric(text, "vllm:tutti_worker_hook_seconds_total") > 0
+    assert _metric(text, "vllm:tutti_scheduler_hook_seconds_total") > 0
+    assert _metric(text, "vllm:tutti_worker_thread_cpu_seconds_total") > 0
     assert _metric(text, "vllm:tutti_queried_tokens_total") >= 600
     assert _metric(text, "vllm:tutti_failed_loads_total") == 0
     assert _metric(text, "vllm:tutti_capacity_used_bytes") == 4 * 2 * seg

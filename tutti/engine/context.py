@@ -67,6 +67,49 @@ def _takes_id_range(fn: Callable) -> bool:
     return any(p.name == "id_range" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+class PinnedInts:
+    """int64 host memory pinned at start-up for the small host-to-device copies of every launch
+    (block ids, expected checksums), so no step allocates pinned memory (cudaHostAlloc can
+    synchronise the device). The ring is cut into sections; a section is written again only once
+    the copies issued from it last time have finished (an event per stream, queried, never waited
+    on); a request that finds none free, or one larger than a section, falls back to torch's
+    pinned allocator and is counted in `fallbacks`."""
+
+    def __init__(self, entries: int = 1 << 18, sections: int = 8) -> None:
+        self.section = max(1, entries // sections)
+        self.sections = sections
+        self.buf = torch.empty(self.section * sections, dtype=torch.int64, pin_memory=True)
+        self._lock = threading.Lock()
+        self._k, self._pos = 0, 0
+        self._events: list[dict] = [{} for _ in range(sections)]
+        self.fallbacks = 0
+
+    def upload(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        n = t.numel()
+        with self._lock:
+            base = self._k * self.section
+            if n > self.section or (self._pos + n > base + self.section and not self._advance()):
+                self.fallbacks += 1
+                return t.pin_memory().to(device, non_blocking=True)
+            dst = self.buf[self._pos:self._pos + n]
+            self._pos += n
+            dst.copy_(t.reshape(-1))
+            out = dst.view(t.shape).to(device, non_blocking=True)
+            stream = torch.cuda.current_stream(device)
+            ev = self._events[self._k].get(stream.cuda_stream)
+            if ev is None:
+                ev = self._events[self._k][stream.cuda_stream] = torch.cuda.Event()
+            ev.record(stream)
+            return out
+
+    def _advance(self) -> bool:
+        k = (self._k + 1) % self.sections
+        if not all(ev.query() for ev in self._events[k].values()):
+            return False
+        self._k, self._pos = k, k * self.section
+        return True
+
+
 @dataclass
 class WorkerContext:
     cfg: EngineConfig
@@ -87,11 +130,13 @@ class WorkerContext:
     num_layers: int = field(init=False)
     device: torch.device = field(init=False)
     cuda: bool = field(init=False)
+    pinned: PinnedInts | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_layers = len(self.caches)
         self.device = self.caches[0].device
         self.cuda = self.device.type == "cuda"
+        self.pinned = PinnedInts() if self.cuda else None
         # A variant that accepts id_range gets the block ids' bounds from the host, so its
         # launcher never reads the device tensor back (a host sync per launch otherwise).
         self._ranged = _takes_id_range(self.kernel.gather) and _takes_id_range(self.kernel.scatter)
@@ -154,7 +199,7 @@ class WorkerContext:
         t = torch.tensor(values, dtype=torch.int64)
         if not self.cuda:
             return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return self.pinned.upload(t, self.device)
 
     def kernel_kwargs(self, block_lists: Sequence[Sequence[int]]) -> dict:
         kw: dict[str, Any] = {"kernel_blocks_per_block": self.kbpb}

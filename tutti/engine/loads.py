@@ -66,6 +66,7 @@ class LoadPipeline:
         self._layer_events: dict[int, object] = {}
         self._bad: torch.Tensor | None = None  # bool [loads, layers] on the device: checksum mismatches
         self._bad_host: torch.Tensor | None = None
+        self._verdict_buf: torch.Tensor | None = None  # pinned, reused (see _verdicts)
         self._verified: object = None  # CUDA event: _bad_host holds the step's mismatches
         self._failed_keys: set[bytes] = set()
         self._failed_blocks: set[int] = set()
@@ -278,13 +279,20 @@ class LoadPipeline:
         if self._bad is not None:
             if self.ctx.cuda:
                 with torch.cuda.stream(self.stream):
-                    self._bad_host = torch.empty(self._bad.shape, dtype=torch.bool, pin_memory=True)
+                    self._bad_host = self._verdicts(self._bad.numel()).view(self._bad.shape)
                     self._bad_host.copy_(self._bad, non_blocking=True)
                     self._verified = torch.cuda.Event()
                     self._verified.record(self.stream)
             else:
                 self._bad_host = self._bad
         self._items = []
+
+    def _verdicts(self, n: int) -> torch.Tensor:
+        """Pinned host room for a step's checksum verdicts, reused step after step (read by
+        resolve() before the next step's finish); it grows only past every earlier step's size."""
+        if self._verdict_buf is None or self._verdict_buf.numel() < n:
+            self._verdict_buf = torch.empty(max(n, 4096), dtype=torch.bool, pin_memory=True)
+        return self._verdict_buf[:n]
 
     def resolve(self) -> None:
         """Read the step's checksum verdicts (once, after the forward) and fail the mismatches."""

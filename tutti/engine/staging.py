@@ -97,8 +97,10 @@ class RegionArena:
     """
 
     def __init__(self, buffer: torch.Tensor, offset: int, nbytes: int, region_bytes: int,
-                 device: torch.device | None = None) -> None:
-        """The arena is `buffer[offset:offset + nbytes]`; `buffer` is what the IO queue registered."""
+                 device: torch.device | None = None, sums_per_region: int = 0) -> None:
+        """The arena is `buffer[offset:offset + nbytes]`; `buffer` is what the IO queue registered.
+        `sums_per_region`: int64 checksums each region's chunk carries, kept in host memory
+        allocated here (pinned on CUDA), so no store allocates pinned memory while serving."""
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError("staging arena: expected a 1-D uint8 tensor")
         self.buffer = buffer
@@ -109,6 +111,9 @@ class RegionArena:
         self.device = None
         if device is not None and device.type == "cuda" and self.num_regions:
             self.device = torch.empty(self.num_regions * region_bytes, dtype=torch.uint8, device=device)
+        cuda = device is not None and device.type == "cuda"
+        self.sums = torch.zeros(self.num_regions * sums_per_region, dtype=torch.int64, pin_memory=cuda)
+        self.sums_per_region = sums_per_region
         self._free = [True] * self.num_regions
         self._nfree = self.num_regions
         self._lock = threading.Lock()
@@ -153,6 +158,11 @@ class RegionArena:
 
     def host_view(self, first: int, count: int) -> torch.Tensor:
         return self.host[first * self.region_bytes:(first + count) * self.region_bytes]
+
+    def sums_view(self, first: int, count: int) -> torch.Tensor:
+        """The checksums of regions [first, first + count): held with the regions."""
+        k = self.sums_per_region
+        return self.sums[first * k:(first + count) * k]
 
     def device_view(self, first: int, count: int) -> torch.Tensor | None:
         if self.device is None:

@@ -144,8 +144,8 @@ class StorePipeline:
             sums = ctx.checksum(dev.view(n * L, ctx.seg))
             if not self.into_maps:  # else the writer thread copies the device regions into the slots
                 host.copy_(dev, non_blocking=True)
-            sums_host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-            sums_host.copy_(sums, non_blocking=True)
+            sums_host = self.arena.sums_view(first, n)  # pinned at start-up, held with the regions
+            sums_host.copy_(sums.view(-1), non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self.stream)
         return _Run(first, group, sums_host, ready)

@@ -67,7 +67,7 @@ class WorkerPipeline:
         sync_bytes = load_bytes - async_slots * slot_bytes
         ring = StagingRing(staging[:sync_bytes], slot_bytes, self.ctx.device)
         arena = RegionArena(staging, load_bytes, slot_bytes * cfg.max_inflight_stores, self.ctx.chunk_bytes,
-                            self.ctx.device)
+                            self.ctx.device, sums_per_region=self.ctx.num_layers)
         io_queue.register_buffers([staging])
         self.counters = Counters()
         self.journal = JournalView(store, follows_writer=not writes)

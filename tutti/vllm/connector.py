@@ -31,6 +31,7 @@ from tutti.engine.config import ConfigError, EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
 from tutti.engine import claims
 from tutti.engine.build import build_planner, build_worker, check_geometry, segment_mac, with_integrity
+from tutti.engine.hostcost import HookClock, ThreadCPU, scheduler_threads, timed, worker_threads
 from tutti.vllm import compat
 from tutti.vllm.events import EventPublisher, KVEventTracker, expand_topic
 from tutti.vllm.stats import SchedulerStatsTracker, TuttiKVConnectorStats, TuttiPromMetrics, stats_from
@@ -117,6 +118,9 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         self._requests: dict[str, Any] = {}  # scheduler side, with store_decode: live Request objects
         self._events: KVEventTracker | None = None
         self._publisher: EventPublisher | None = None
+        # host time of tutti's hooks, and CPU of its threads (tutti.engine.hostcost), as metrics
+        self._hooks = HookClock()
+        self._threads = ThreadCPU(scheduler_threads if role == KVConnectorRole.SCHEDULER else worker_threads)
         if role == KVConnectorRole.SCHEDULER:
             # chunks are announced where events go anywhere: then this writer records its chunks'
             # extras and announces the other writers' (any replica can load them)
@@ -223,6 +227,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             w.warmup_seconds,
         )
 
+    @timed("_hooks")
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         # Start here, not in start_load_kv: vLLM 0.32 calls that one after the forward pass when
@@ -240,14 +245,17 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             idx = self._layer_index[layer_name] = len(self._layer_index)
         return idx
 
+    @timed("_hooks")
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
             self._worker.wait_layer(self._layer(layer_name))
 
+    @timed("_hooks")
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.save_layer(self._layer(layer_name))
 
+    @timed("_hooks")
     def wait_for_save(self) -> None:
         if self._worker is not None:
             self._worker.end_step()
@@ -264,29 +272,34 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._failed_async_blocks |= blocks
         return self._worker.finished_requests(set(finished_req_ids)), received, failed
 
+    @timed("_hooks")
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, received, failed = self._completions(finished_req_ids)
         # failures are told through get_transfer_results; a vLLM without it is refused for hybrid models at start
         assert not failed, "asynchronous load failures need get_transfer_results (refused at start otherwise)"
         return (done or None), received or None
 
+    @timed("_hooks")
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """vLLM 0.32+: stores done, asynchronous loads received, and those that failed (vLLM
         recomputes those requests)."""
         return compat.make_transfer_results(*self._completions(finished_req_ids))
 
+    @timed("_hooks")
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:
             return set()
         out, self._failed_async_blocks = self._failed_async_blocks, set()
         return out | self._worker.take_failed_blocks()
 
+    @timed("_hooks")
     def build_connector_worker_meta(self) -> Any:
         if self._worker is None:
             return None
         report = self._worker.take_report()
         return None if report.is_empty() else TuttiWorkerMetadata(report)
 
+    @timed("_hooks")
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, TuttiConnectorMetadata):
             self._worker.preempt(kv_connector_metadata.plan.preempted)
@@ -307,6 +320,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._planner.extras = None
 
     # ================================================================== scheduler side
+    @timed("_hooks")
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._planner is not None
         tokens = compat.prompt_tokens(request)
@@ -321,11 +335,13 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         # layer-wise inside the step, or asynchronously (vLLM holds the request until received)
         return n, bool(self._async_loads and n)
 
+    @timed("_hooks")
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         assert self._planner is not None
         self._planner.on_alloc(request.request_id, self._blocks(blocks), num_external_tokens,
                                async_load=self._async_loads)
 
+    @timed("_hooks")
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._planner is not None
         p = self._planner
@@ -356,6 +372,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._events.planned(plan.stores)
         return TuttiConnectorMetadata(plan)
 
+    @timed("_hooks")
     def update_connector_output(self, connector_output: Any) -> None:
         if self._planner is None:
             return
@@ -372,6 +389,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         """SupportsHMA: vLLM calls this instead of request_finished once tutti declares hybrid support."""
         return self.request_finished(request, [])
 
+    @timed("_hooks")
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._planner is not None
         self._requests.pop(request.request_id, None)
@@ -379,6 +397,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._events.drop_request(request.request_id)
         return self._planner.finished(request.request_id), None
 
+    @timed("_hooks")
     def take_events(self) -> Iterable[Any]:
         """BlockStored/BlockRemoved (medium STORAGE) for chunks committed/evicted since the last
         step; also sent on tutti's own publisher when kv_events_endpoint is set."""
@@ -426,10 +445,12 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         calls its instance every step too): lookups, hits, failed loads, commits, evictions
         and capacity. vLLM aggregates both into one payload (tutti.vllm.stats)."""
         if self._worker is not None:
-            w = self._worker.take_stats()
-            return stats_from(w)  # the engine's counter names are the metrics' fields
+            w = self._worker.take_stats()  # the engine's counter names are the metrics' fields
+            w["worker_hook_seconds"], w["worker_thread_cpu_seconds"] = self._hooks.take(), self._threads.take()
+            return stats_from(w)
         if self._planner is not None:
-            return self._sched_stats.take(self._planner.stats, self._planner.capacity_used_bytes())
+            return self._sched_stats.take(self._planner.stats, self._planner.capacity_used_bytes(),
+                                          hook_seconds=self._hooks.take(), thread_cpu_seconds=self._threads.take())
         return None
 
     @classmethod

@@ -48,6 +48,11 @@ METRICS: tuple[MetricDef, ...] = (
               "Seconds from a store's first gather to its chunks being durable, summed over workers."),
     MetricDef("stores_skipped", "vllm:tutti_skipped_stores", COUNTER,
               "Chunk stores skipped because the staging ring was full or a layer was missed (future misses)."),
+    MetricDef("worker_hook_seconds", "vllm:tutti_worker_hook_seconds", COUNTER,
+              "Seconds tutti's worker hooks took on the thread that launches the forward pass (waits for "
+              "layer-wise loads included), summed over workers."),
+    MetricDef("worker_thread_cpu_seconds", "vllm:tutti_worker_thread_cpu_seconds", COUNTER,
+              "CPU seconds used by tutti's own threads in the workers (writer, asynchronous loads, IO)."),
     # scheduler side
     MetricDef("queried_tokens", "vllm:tutti_queried_tokens", COUNTER,
               "Prompt tokens looked up in tutti's index."),
@@ -63,6 +68,10 @@ METRICS: tuple[MetricDef, ...] = (
               "Chunks committed to tutti's store (durable on every worker)."),
     MetricDef("evictions", "vllm:tutti_evictions", COUNTER,
               "Chunks evicted from tutti's store to make room for new ones."),
+    MetricDef("scheduler_hook_seconds", "vllm:tutti_scheduler_hook_seconds", COUNTER,
+              "Seconds tutti's scheduler-side hooks took on the scheduler's thread (lookups, step plans, reports)."),
+    MetricDef("scheduler_thread_cpu_seconds", "vllm:tutti_scheduler_thread_cpu_seconds", COUNTER,
+              "CPU seconds used by tutti's journal follower beside the scheduler (replicas sharing a root)."),
     MetricDef("capacity_used_bytes", "vllm:tutti_capacity_used_bytes", GAUGE,
               "Bytes of tutti's store holding chunks (resident and being written), per worker rank."),
     MetricDef("capacity_bytes", "vllm:tutti_capacity_bytes", GAUGE,
@@ -70,7 +79,8 @@ METRICS: tuple[MetricDef, ...] = (
 )
 
 BY_FIELD: dict[str, MetricDef] = {m.field: m for m in METRICS}
-WORKER_FIELDS = ("bytes_loaded", "load_seconds", "bytes_stored", "store_seconds", "stores_skipped")
+WORKER_FIELDS = ("bytes_loaded", "load_seconds", "bytes_stored", "store_seconds", "stores_skipped",
+                 "worker_hook_seconds", "worker_thread_cpu_seconds")
 SCHEDULER_FIELDS = ("queried_tokens", "hit_tokens", "async_hit_tokens", "declined_hit_tokens", "loads_failed",
                     "stores_committed", "evictions")
 
@@ -146,8 +156,10 @@ class SchedulerStatsTracker:
         self._capacity = capacity_bytes
         self._last_used: int | None = None
 
-    def take(self, planner_stats: Any, used_bytes: int) -> TuttiKVConnectorStats | None:
-        values: dict[str, Any] = {}
+    def take(self, planner_stats: Any, used_bytes: int, *, hook_seconds: float = 0.0,
+             thread_cpu_seconds: float = 0.0) -> TuttiKVConnectorStats | None:
+        values: dict[str, Any] = {"scheduler_hook_seconds": hook_seconds,
+                                  "scheduler_thread_cpu_seconds": thread_cpu_seconds}
         for field in SCHEDULER_FIELDS:
             now = getattr(planner_stats, field)
             values[field] = now - self._last.get(field, 0)

@@ -1,0 +1,86 @@
+"""Host costs: how much CPU tutti's own work takes beside the forward pass, measured.
+
+Why: under vLLM's asynchronous scheduling the host prepares step t+1 while the GPU runs step t,
+so tutti's host work is free only while the host keeps ahead of the GPU. Two costs can take that
+margin away: time inside tutti's hooks on the thread that launches the forward pass, and tutti's
+own threads (writer, loads, IO completions, the journal follower) holding the GIL that thread
+needs. Both are counted here, cheaply enough to stay on while serving (one `perf_counter` pair
+per hook, one thread-clock read per tutti thread per step), and exported as Prometheus counters
+(docs/metrics.md), so a TPOT gap can be traced to host time or ruled out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+
+class HookClock:
+    """Seconds spent inside hooks on the calling thread, summed until taken."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def take(self) -> float:
+        out, self.seconds = self.seconds, 0.0
+        return out
+
+
+def timed(clock_attr: str) -> Callable:
+    """Decorate a method so its wall time is added to `getattr(self, clock_attr)` (a HookClock)."""
+
+    def deco(fn: Callable) -> Callable:
+        def wrapper(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                getattr(self, clock_attr).seconds += time.perf_counter() - t0
+
+        wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+        wrapper.__wrapped__ = fn
+        return wrapper
+
+    return deco
+
+
+class ThreadCPU:
+    """CPU seconds used by this process's tutti threads whose names `select` accepts, as deltas.
+
+    Each thread's own CPU clock (Linux `pthread_getcpuclockid`); a thread that ended since the
+    last reading keeps what it had been counted. Where the platform has no thread clocks the
+    delta is always 0."""
+
+    def __init__(self, select: Callable[[str], bool]) -> None:
+        self.select = select
+        self._last: dict[int, float] = {}
+        self._ok = hasattr(time, "pthread_getcpuclockid")
+
+    def take(self) -> float:
+        if not self._ok:
+            return 0.0
+        total, seen = 0.0, {}
+        for t in threading.enumerate():
+            ident = t.ident
+            if ident is None or not t.name.startswith("tutti-") or not self.select(t.name):
+                continue
+            try:
+                now = time.clock_gettime(time.pthread_getcpuclockid(ident))
+            except (OSError, OverflowError, ValueError):  # ended meanwhile
+                continue
+            seen[ident] = now
+            total += max(0.0, now - self._last.get(ident, 0.0))
+        self._last = seen
+        return total
+
+
+def worker_threads(name: str) -> bool:
+    """A worker's threads: writer, asynchronous loads, IO (the follower is the scheduler's)."""
+    return not name.startswith("tutti-follow")
+
+
+def scheduler_threads(name: str) -> bool:
+    return name.startswith("tutti-follow")
