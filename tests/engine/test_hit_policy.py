@@ -177,7 +177,34 @@ def test_the_cost_model_in_the_planner_declines_a_slow_store_when_idle():
     p.on_alloc("r", list(range(20)), 0)
     assert p.stats.declined_hit_tokens == 192 and p.stats.hit_tokens == 0
     p.meter.on_loads(int(1e12), 1.0)  # the storage turned out fast: load
+    for i in range(60):  # a decoding server: 1 ms steps (an asynchronous hit waits about 1.5 of them)
+        p.meter.on_step(8, now=1.0 + i * 0.001)
     assert p.match("s", toks + [2], 0) == 192
+
+
+def test_the_meter_fits_a_fixed_cost_per_load_beside_the_rate():
+    from tutti.engine.hit_policy import RateMeter
+
+    m = RateMeter()
+    for nbytes in (1e6, 4e6, 16e6, 64e6, 2e6, 32e6):  # 20 ms each, plus 1 GB/s
+        m.on_loads(int(nbytes), 0.020 + nbytes / 1e9)
+    o, rate = m.load_model()
+    assert o == pytest.approx(0.020, rel=1e-6) and rate == pytest.approx(1e9, rel=1e-6)
+    same = RateMeter()
+    for _ in range(8):  # loads of one size cannot tell a fixed cost from a rate: the rate carries it
+        same.on_loads(int(8e6), 0.028)
+    assert same.load_model() == (0.0, pytest.approx(8e6 / 0.028))
+
+
+def test_short_hits_recompute_where_a_load_costs_more_than_its_tokens():
+    """Fast storage, 20 ms per load and 10 ms steps: a 2-chunk hit is recomputed (its tokens take
+    2 ms), a long hit on the same storage is loaded."""
+    q = lambda hit, n: HitQuery(hit_tokens=hit, prompt_tokens=n, chunk_tokens=256, bytes_per_token=131072,
+                                step_tokens=8192, asynchronous=True)
+    rates = Rates(load_bytes_per_s=20e9, prefill_tokens_per_s=27000, load_overhead_s=0.020, step_s=0.010)
+    assert CostModel().decide(q(512, 600), rates) == 0
+    assert CostModel().decide(q(16384, 16500), rates) == 16384
+    assert CostModel().decide(q(512, 600), Rates(20e9, 27000)) == 512  # no fixed cost known: loaded
 
 
 def test_the_start_up_probe_gives_a_fresh_planner_its_read_rate():

@@ -19,9 +19,10 @@ an instance). The planner rounds whatever comes back down to a chunk boundary.
 
 from __future__ import annotations
 
+import collections
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from tutti.plugins import resolve_name
@@ -49,6 +50,8 @@ class Rates:
     queued_load_bytes: int = 0  # loads planned and not yet done (they are read first)
     prefill_backlog_tokens: int = 0  # prompt tokens known and not yet computed (computed first)
     load_age_s: float | None = None  # seconds since a load last measured the read rate
+    load_overhead_s: float = 0.0  # a load's fixed cost beside its bytes (from loads of different sizes)
+    step_s: float = 0.0  # a step's duration: an asynchronous hit is scheduled about 1.5 steps after its load
 
 
 class HitPolicy(Protocol):
@@ -79,14 +82,16 @@ class CostModel:
 
     Asynchronous loads (the request waits outside the batch): its loads queue behind the loads
     already planned, its compute behind the prompts already waiting, and the two queues drain
-    side by side, so
-        t(m) = max((Q + m b) / R_load, P / R_prefill) + (n - m) / R_prefill   (m > 0)
+    side by side; a load costs a fixed o beside its bytes, and the request is scheduled about 1.5
+    steps (s each) after its load ends (the receipt goes out with the end of the step it ended
+    in; under asynchronous scheduling the step after that was already scheduled), so
+        t(m) = max(o + (Q + m b) / R_load + 1.5 s, P / R_prefill) + (n - m) / R_prefill   (m > 0)
         t(0) = (P + n) / R_prefill
     Under load (P large) a slow disk still wins: it adds prefill capacity beside the GPU.
 
     Layer-wise loads (in the step, overlapped with the suffix's compute; only the first step's
     suffix tokens overlap, so the model follows the step budget S):
-        t(m) = max((Q + m b) / R_load, c1 / R_prefill) + (n - m - c1) / R_prefill,  c1 = min(S, n - m)
+        t(m) = max(o + (Q + m b) / R_load, c1 / R_prefill) + (n - m - c1) / R_prefill,  c1 = min(S, n - m)
 
     Until the read rate is measured it loads a hit whole when no other load is queued (that is
     how the rate gets measured) and recomputes otherwise, so a burst of first hits does not pile
@@ -128,9 +133,9 @@ class CostModel:
         compute_wait = rates.prefill_backlog_tokens / rp
         if m <= 0:
             return compute_wait + n / rp
-        load = (rates.queued_load_bytes + m * q.bytes_per_token) / rl
-        if q.asynchronous:
-            return max(load, compute_wait) + (n - m) / rp
+        load = rates.load_overhead_s + (rates.queued_load_bytes + m * q.bytes_per_token) / rl
+        if q.asynchronous:  # reported at the end of the step it ends in, scheduled a step later
+            return max(load + 1.5 * rates.step_s, compute_wait) + (n - m) / rp
         c1 = min(max(q.step_tokens, 1), n - m)
         return compute_wait + max(load, c1 / rp) + (n - m - c1) / rp
 
@@ -155,9 +160,13 @@ class RateMeter:
     prefill_seconds: float = 0.0
     min_step_tokens: int = 256  # steps with fewer scheduled tokens are decode-bound: not a prefill rate
     max_gap_s: float = 5.0  # a longer gap between steps was an idle server, not a step
+    step_seconds: float = 0.0  # decayed sum of every step's duration (decode steps too)
+    steps: float = 0.0
     _last_step: float | None = None
     _last_tokens: int = 0
     _last_load: float | None = None
+    # the last loads as (bytes, seconds): a fit of seconds = o + bytes / R gives the fixed cost o
+    _samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=32))
 
     def on_loads(self, nbytes: int, seconds: float, now: float | None = None) -> None:
         """`seconds`: what the loads cost their requests; about 0 for a layer-wise load that hid
@@ -166,6 +175,7 @@ class RateMeter:
             self.load_bytes = self.load_bytes * self.decay + nbytes
             self.load_seconds = self.load_seconds * self.decay + max(seconds, 1e-6)
             self._last_load = time.monotonic() if now is None else now
+            self._samples.append((float(nbytes), float(seconds)))
         elif nbytes == 0 and seconds > 0 and self.load_seconds > 0:
             self.load_seconds += seconds  # time that moved nothing (failed loads): the store is slower
 
@@ -181,6 +191,9 @@ class RateMeter:
         now = time.monotonic() if now is None else now
         if self._last_step is not None:
             gap = now - self._last_step
+            if 0 < gap <= self.max_gap_s:
+                self.step_seconds = self.step_seconds * self.decay + gap
+                self.steps = self.steps * self.decay + 1
             if 0 < gap <= self.max_gap_s and self._last_tokens >= self.min_step_tokens:
                 self.prefill_tokens = self.prefill_tokens * self.decay + self._last_tokens
                 self.prefill_seconds = self.prefill_seconds * self.decay + gap
@@ -189,6 +202,30 @@ class RateMeter:
     @property
     def load_rate(self) -> float | None:
         return self.load_bytes / self.load_seconds if self.load_seconds > 0 else None
+
+    @property
+    def step_time(self) -> float:
+        """A step's recent duration (0 until two steps were seen)."""
+        return self.step_seconds / self.steps if self.steps > 0 else 0.0
+
+    def load_model(self) -> tuple[float, float | None]:
+        """(fixed seconds per load, read rate): a least-squares line seconds = o + bytes / R
+        through the last loads, when their sizes differ enough to tell o from R (o within
+        [0, the fastest load]); else (0, the decayed rate), which then carries any fixed cost."""
+        rate = self.load_rate
+        pts = list(self._samples)
+        if len(pts) < 4 or rate is None:
+            return 0.0, rate
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if mx <= 0 or math.sqrt(sxx / len(xs)) < 0.25 * mx:
+            return 0.0, rate
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        o = min(my - slope * mx, min(ys))
+        if slope <= 0 or o <= 0:
+            return 0.0, rate
+        return o, 1.0 / slope
 
     @property
     def prefill_rate(self) -> float | None:

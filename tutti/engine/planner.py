@@ -199,9 +199,11 @@ class Planner:
         q = HitQuery(hit_tokens=found, prompt_tokens=prompt_tokens, chunk_tokens=self.chunk_tokens,
                      bytes_per_token=self.slot_bytes / self.chunk_tokens, step_tokens=self.step_tokens,
                      asynchronous=self.asynchronous, max_load_tokens=max_load_tokens)
-        rates = Rates(self.meter.load_rate, self.meter.prefill_rate,
+        overhead, load_rate = self.meter.load_model()
+        rates = Rates(load_rate, self.meter.prefill_rate,
                       queued_load_bytes=self._unsent_load_bytes + sum(self._step_load_bytes.values()),
-                      prefill_backlog_tokens=max(0, self._backlog), load_age_s=self.meter.load_age())
+                      prefill_backlog_tokens=max(0, self._backlog), load_age_s=self.meter.load_age(),
+                      load_overhead_s=overhead, step_s=self.meter.step_time)
         try:
             want = self.hit_policy.decide(q, rates)
         except Exception:  # noqa: BLE001 - a research policy's bug costs its hits, never the step
