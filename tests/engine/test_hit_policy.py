@@ -220,3 +220,30 @@ def test_the_start_up_probe_gives_a_fresh_planner_its_read_rate():
     p.on_report(WorkerReport(probe_bytes=2 * 10**8, probe_seconds=0.2, workers=2))  # 0.1 GB in 0.2 s each
     assert p.meter.load_rate == pytest.approx(0.5e9) and p.stats.bytes_loaded == 0
     assert p.match("b", toks + [2], 0) == 0
+
+
+def test_rate_meter_times_steps_from_their_outputs_under_async_scheduling():
+    """vLLM's asynchronous scheduler schedules a step before the last one is done: the time
+    between schedulings is not a step's duration (it read prefill rates 5x too high on the H200).
+    A step runs from the later of its scheduling and the last step's end to its output."""
+    m = RateMeter()
+    m.on_scheduled(1, 8192, now=0.0)
+    m.on_scheduled(2, 8192, now=0.01)  # a step ahead
+    m.on_done(1, now=0.3)
+    m.on_scheduled(3, 8192, now=0.31)
+    m.on_done(2, now=0.6)
+    m.on_done(2, now=0.6)  # another worker's copy of the same step: counted once
+    m.on_done(3, now=0.9)
+    assert m.prefill_rate == pytest.approx(8192 / 0.3)
+    assert m.step_time == pytest.approx(0.3)
+    m.on_scheduled(4, 8192, now=20.0)  # after an idle server: timed from its own scheduling
+    m.on_done(4, now=20.3)
+    assert m.prefill_rate == pytest.approx(8192 / 0.3)
+
+
+def test_the_planner_times_steps_by_their_reports():
+    p = planner(CostModel())
+    plan = p.build_step({}, {})
+    p.meter._pending[plan.step] = (8192, p.meter._pending[plan.step][1] - 0.25)  # scheduled 0.25 s ago
+    p.on_report(WorkerReport(steps_done=[plan.step]))
+    assert 8192 / 0.3 < p.meter.prefill_rate < 8192 / 0.25

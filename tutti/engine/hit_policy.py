@@ -162,8 +162,9 @@ class RateMeter:
     max_gap_s: float = 5.0  # a longer gap between steps was an idle server, not a step
     step_seconds: float = 0.0  # decayed sum of every step's duration (decode steps too)
     steps: float = 0.0
-    _last_step: float | None = None
-    _last_tokens: int = 0
+    _pending: dict = field(default_factory=dict)  # step -> (scheduled tokens, when scheduled)
+    _last_done: float | None = None
+    _seq: int = 0
     _last_load: float | None = None
     # the last loads as (bytes, seconds): a fit of seconds = o + bytes / R gives the fixed cost o
     _samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=32))
@@ -185,19 +186,42 @@ class RateMeter:
             return None
         return (time.monotonic() if now is None else now) - self._last_load
 
-    def on_step(self, scheduled_tokens: int, now: float | None = None) -> None:
-        """A step was scheduled: the time since the last one is the last one's duration (with
-        vLLM's asynchronous scheduling, one step late; the sums do not mind)."""
+    def on_scheduled(self, step: int, scheduled_tokens: int, now: float | None = None) -> None:
+        """Step `step` was scheduled with this many tokens (its duration is known when it is done)."""
         now = time.monotonic() if now is None else now
-        if self._last_step is not None:
-            gap = now - self._last_step
-            if 0 < gap <= self.max_gap_s:
-                self.step_seconds = self.step_seconds * self.decay + gap
-                self.steps = self.steps * self.decay + 1
-            if 0 < gap <= self.max_gap_s and self._last_tokens >= self.min_step_tokens:
-                self.prefill_tokens = self.prefill_tokens * self.decay + self._last_tokens
-                self.prefill_seconds = self.prefill_seconds * self.decay + gap
-        self._last_step, self._last_tokens = now, scheduled_tokens
+        self._pending[step] = (scheduled_tokens, now)
+        while len(self._pending) > 256:  # steps never reported (a worker that skipped them): forgotten
+            self._pending.pop(next(iter(self._pending)))
+
+    def on_done(self, step: int, now: float | None = None) -> None:
+        """Step `step`'s output reached the scheduler (its worker report came with it). Its
+        duration runs from when the GPU could start it, the later of its scheduling and the last
+        step's end: under vLLM's asynchronous scheduling steps are scheduled a step ahead, so the
+        time between schedulings is not a step's duration (it read prefill rates 5x too high)."""
+        got = self._pending.pop(step, None)
+        if got is None:  # another worker's copy of a step already counted, or an unknown step
+            return
+        now = time.monotonic() if now is None else now
+        tokens, scheduled_at = got
+        start = scheduled_at if self._last_done is None else max(scheduled_at, self._last_done)
+        self._last_done = now
+        took = now - start
+        if not 0 < took <= self.max_gap_s:
+            return
+        self.step_seconds = self.step_seconds * self.decay + took
+        self.steps = self.steps * self.decay + 1
+        if tokens >= self.min_step_tokens:
+            self.prefill_tokens = self.prefill_tokens * self.decay + tokens
+            self.prefill_seconds = self.prefill_seconds * self.decay + took
+
+    def on_step(self, scheduled_tokens: int, now: float | None = None) -> None:
+        """A synchronous scheduler's view, for tests and tools: a step is scheduled when the last
+        one is done."""
+        now = time.monotonic() if now is None else now
+        self._seq += 1
+        if self._seq - 1 in self._pending:
+            self.on_done(self._seq - 1, now)
+        self.on_scheduled(self._seq, scheduled_tokens, now)
 
     @property
     def load_rate(self) -> float | None:

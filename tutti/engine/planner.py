@@ -360,7 +360,7 @@ class Planner:
         """The loads and stores of one step. `scheduled[req]` tokens are computed this step on
         top of `computed_before[req]`."""
         plan = StepPlan(step=next(self._steps))
-        self.meter.on_step(sum(scheduled.values()))
+        self.meter.on_scheduled(plan.step, sum(scheduled.values()))
         pins: list[bytes] = []
         foreign_keys: list[bytes] = []
         want: list[tuple[_Request, int]] = []
@@ -480,6 +480,8 @@ class Planner:
         s.store_seconds += report.store_seconds
         s.stores_skipped += report.stores_skipped
         self.meter.on_loads(report.bytes_loaded, report.load_wait_seconds)
+        for step in report.steps_done:  # the step's output is here: it is done (the meter's step times)
+            self.meter.on_done(step)
         if report.probe_bytes and report.workers:  # the start-up probe: per worker, as loads are
             self.meter.on_loads(report.probe_bytes // report.workers, report.probe_seconds)
         for t in report.store_failed:
