@@ -44,7 +44,8 @@ METRICS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:external
            "vllm:tutti_skipped_stores", "vllm:tutti_stored_chunks", "vllm:tutti_failed_loads",
            "vllm:tutti_declined_hit_tokens", "vllm:tutti_async_hit_tokens",
            "vllm:tutti_load_bytes", "vllm:tutti_load_seconds", "vllm:tutti_store_bytes", "vllm:tutti_store_seconds",
-           "vllm:tutti_worker_hook_seconds", "vllm:tutti_worker_thread_cpu_seconds", "vllm:tutti_scheduler_hook_seconds",
+           "vllm:tutti_worker_hook_seconds", "vllm:tutti_worker_thread_cpu_seconds", "vllm:tutti_worker_thread_wait_seconds",
+           "vllm:tutti_scheduler_hook_seconds",
            "vllm:kv_offload_total_bytes", "vllm:kv_offload_total_time", "vllm:num_preemptions")
 
 
@@ -277,7 +278,7 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["case"] == "none" and "error" not in r), None)
     rows = ["| case | req/s | x none | TTFT mean / p50 / p99 (ms) | TPOT mean / p99 (ms) | hit tokens (connector) | "
-            "vLLM prefix-cache hits | stores skipped | tutti host s: worker hooks / threads' CPU / scheduler hooks |",
+            "vLLM prefix-cache hits | stores skipped | tutti host s: worker hooks / threads' CPU (GIL-free waits) / scheduler hooks |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
@@ -290,7 +291,8 @@ def table(results: list[dict]) -> str:
                     f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
                     f"{hit:.0f} | {m['vllm:prefix_cache_hits']:.0f} | "
                     f"{m['vllm:tutti_skipped_stores']:.0f} | {m['vllm:tutti_worker_hook_seconds']:.2f} / "
-                    f"{m['vllm:tutti_worker_thread_cpu_seconds']:.2f} / {m['vllm:tutti_scheduler_hook_seconds']:.2f} |")
+                    f"{m['vllm:tutti_worker_thread_cpu_seconds']:.2f} ({m['vllm:tutti_worker_thread_wait_seconds']:.2f}) / "
+                    f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} |")
     return "\n".join(rows)
 
 

@@ -64,3 +64,21 @@ def test_timed_hooks_add_their_wall_time():
     got = h.clock.take()
     assert 0.03 <= got < 0.5
     assert h.clock.take() == 0.0
+
+
+def test_gil_free_waits_count_on_tutti_threads_only():
+    from tutti.engine.hostcost import WAITS, gil_free_wait
+
+    WAITS.take()
+    with gil_free_wait():  # the test's own thread: the hooks time it, not WAITS
+        time.sleep(0.02)
+    assert WAITS.take() == 0.0
+
+    def waits():
+        with gil_free_wait():
+            time.sleep(0.05)
+
+    t = threading.Thread(target=waits, name="tutti-writer-hosttest")
+    t.start()
+    t.join()
+    assert 0.05 <= WAITS.take() < 0.5

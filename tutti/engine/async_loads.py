@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 
 from tutti.engine.context import log
+from tutti.engine.hostcost import gil_free_wait
 from tutti.engine.plan import LoadChunk
 
 
@@ -98,7 +99,8 @@ class AsyncLoads:
             lp.finish()
             blocks = lp.take_failed_blocks()  # resolves the device verdicts (this thread waits, nobody else)
             if self.stream is not None:
-                self.stream.synchronize()  # the scatters landed before vLLM is told
+                with gil_free_wait():
+                    self.stream.synchronize()  # the scatters landed before vLLM is told
         return lp.take_failed_keys(), blocks
 
     def close(self) -> None:

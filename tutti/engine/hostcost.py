@@ -11,9 +11,10 @@ per hook, one thread-clock read per tutti thread per step), and exported as Prom
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 
 class HookClock:
@@ -84,3 +85,39 @@ def worker_threads(name: str) -> bool:
 
 def scheduler_threads(name: str) -> bool:
     return name.startswith("tutti-follow")
+
+
+class _Waits:
+    """Wall seconds tutti's threads spent in waits that release the GIL (CUDA event and stream
+    synchronisation, which spin on the CPU): subtracted from their CPU time, what is left is the
+    CPU they spent holding the GIL or in system calls."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._seconds += seconds
+
+    def take(self) -> float:
+        with self._lock:
+            out, self._seconds = self._seconds, 0.0
+        return out
+
+
+WAITS = _Waits()
+
+
+@contextlib.contextmanager
+def gil_free_wait() -> Iterator[None]:
+    """Around a wait that releases the GIL; counted in WAITS when it runs on a tutti thread (the
+    step's own thread is timed by its hooks instead)."""
+    if not threading.current_thread().name.startswith("tutti-"):
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        WAITS.add(time.perf_counter() - t0)

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from tutti.engine.context import Counters, JournalView, WorkerContext, as_signed64, log, nvtx_range
+from tutti.engine.hostcost import gil_free_wait
 from tutti.engine.plan import LoadChunk
 from tutti.engine.staging import StagingRing, StagingSlot
 from tutti.format import segment_bytes, token_span
@@ -299,7 +300,8 @@ class LoadPipeline:
         if self._bad_host is None:
             return
         if self._verified is not None:
-            self._verified.synchronize()  # the load stream's last copy: done before the last layer ran
+            with gil_free_wait():
+                self._verified.synchronize()  # the load stream's last copy: done before the last layer ran
         bad, loads, sums = self._bad_host, self._loads, self._sums
         self._bad_host = self._bad = self._verified = None
         if not bool(bad.any()):

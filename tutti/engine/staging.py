@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tutti.engine.hostcost import gil_free_wait
+
 
 @dataclass
 class StagingSlot:
@@ -69,7 +71,8 @@ class StagingRing:
     @staticmethod
     def wait_host(slot: StagingSlot) -> None:
         if slot.busy_until is not None:
-            slot.busy_until.synchronize()  # the consumer of its last contents (already enqueued) finishes
+            with gil_free_wait():
+                slot.busy_until.synchronize()  # the consumer of its last contents (already enqueued) finishes
             slot.busy_until = None
 
     def acquire_all(self) -> list[StagingSlot] | None:

@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from tutti.engine.context import U64, Counters, JournalView, WorkerContext, log, nvtx_range
+from tutti.engine.hostcost import gil_free_wait
 from tutti.engine.plan import StoreChunk
 from tutti.engine.staging import RegionArena
 from tutti.engine.writer import Writer
@@ -164,7 +165,8 @@ class StorePipeline:
         try:
             if run.ready is not None:
                 with nvtx_range("d2h_wait"):
-                    run.ready.synchronize()  # releases the GIL while the copy finishes
+                    with gil_free_wait():
+                        run.ready.synchronize()  # releases the GIL while the copy finishes
             sums = self._tags(run) if self.ctx.mac is not None else run.sums.tolist()
             store.free(run.free_slots)
             held = self._write_chunks(run, sums)
@@ -297,7 +299,8 @@ class StorePipeline:
                 done = torch.cuda.Event()
                 done.record(self._copy_stream)
         if ctx.cuda:
-            done.synchronize()  # releases the GIL while the DMA runs
+            with gil_free_wait():
+                done.synchronize()  # releases the GIL while the DMA runs
 
     def _written_ranges(self, layers: list[int]) -> list[tuple[int, int]]:
         """Byte ranges of a chunk's slot to write: runs of consecutive written layers."""

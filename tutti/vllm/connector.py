@@ -31,7 +31,7 @@ from tutti.engine.config import ConfigError, EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
 from tutti.engine import claims
 from tutti.engine.build import build_planner, build_worker, check_geometry, segment_mac, with_integrity
-from tutti.engine.hostcost import HookClock, ThreadCPU, scheduler_threads, timed, worker_threads
+from tutti.engine.hostcost import WAITS, HookClock, ThreadCPU, scheduler_threads, timed, worker_threads
 from tutti.vllm import compat
 from tutti.vllm.events import EventPublisher, KVEventTracker, expand_topic
 from tutti.vllm.stats import SchedulerStatsTracker, TuttiKVConnectorStats, TuttiPromMetrics, stats_from
@@ -447,6 +447,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         if self._worker is not None:
             w = self._worker.take_stats()  # the engine's counter names are the metrics' fields
             w["worker_hook_seconds"], w["worker_thread_cpu_seconds"] = self._hooks.take(), self._threads.take()
+            w["worker_thread_wait_seconds"] = WAITS.take()
             return stats_from(w)
         if self._planner is not None:
             return self._sched_stats.take(self._planner.stats, self._planner.capacity_used_bytes(),

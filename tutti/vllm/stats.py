@@ -53,6 +53,9 @@ METRICS: tuple[MetricDef, ...] = (
               "layer-wise loads included), summed over workers."),
     MetricDef("worker_thread_cpu_seconds", "vllm:tutti_worker_thread_cpu_seconds", COUNTER,
               "CPU seconds used by tutti's own threads in the workers (writer, asynchronous loads, IO)."),
+    MetricDef("worker_thread_wait_seconds", "vllm:tutti_worker_thread_wait_seconds", COUNTER,
+              "Of those threads' time, seconds in waits that release the GIL (CUDA event and stream "
+              "synchronisation, which spin): their CPU beyond it held the GIL or made system calls."),
     # scheduler side
     MetricDef("queried_tokens", "vllm:tutti_queried_tokens", COUNTER,
               "Prompt tokens looked up in tutti's index."),
@@ -80,7 +83,7 @@ METRICS: tuple[MetricDef, ...] = (
 
 BY_FIELD: dict[str, MetricDef] = {m.field: m for m in METRICS}
 WORKER_FIELDS = ("bytes_loaded", "load_seconds", "bytes_stored", "store_seconds", "stores_skipped",
-                 "worker_hook_seconds", "worker_thread_cpu_seconds")
+                 "worker_hook_seconds", "worker_thread_cpu_seconds", "worker_thread_wait_seconds")
 SCHEDULER_FIELDS = ("queried_tokens", "hit_tokens", "async_hit_tokens", "declined_hit_tokens", "loads_failed",
                     "stores_committed", "evictions")
 
