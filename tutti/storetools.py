@@ -9,7 +9,6 @@ Nothing here imports vLLM or the engine.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 import sys
@@ -17,6 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from tutti.io.integrity import CRC_TAG
+from tutti.io.namespace import (
+    JOURNAL, MANIFEST, NAMESPACE_PREFIX, STORE_VERSION, WRITER_PREFIX, ManifestMismatchError, parse_manifest,
+    slab_sort_key,
+)
+from tutti.io.slabs import slab_name
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _U64 = (1 << 64) - 1  # the journal keeps checksums as unsigned 64-bit values
@@ -175,20 +179,17 @@ class StoreNamespace:
 
     @property
     def journal_path(self) -> str:
-        from tutti.io.store import JOURNAL
-
         return os.path.join(self.namespaces[0], JOURNAL)
 
     def place(self, slot: int) -> tuple[int, int, int]:
-        """slot -> (root index, slab index, byte offset in the slab): the store's own layout
-        (ChunkStore._place reads only roots, slots_per_slab and slot_bytes, which we carry)."""
-        from tutti.io.store import ChunkStore
+        """slot -> (root index, slab index, byte offset in the slab): the store's own layout."""
+        from tutti.io.slabs import place
 
-        return ChunkStore._place(self, slot)  # type: ignore[arg-type]
+        return place(slot, len(self.roots), self.slots_per_slab, self.slot_bytes)
 
     def slab_name(self, slot: int) -> tuple[int, int, str]:
         r, slab, _ = self.place(slot)
-        return r, slab, f"slab-{slab}.bin"
+        return r, slab, slab_name(slab)
 
     def slab_path(self, slot: int) -> str:
         r, _, name = self.slab_name(slot)
@@ -197,7 +198,7 @@ class StoreNamespace:
     def open_slab(self, r: int, slab: int) -> int | None:
         """A read-only fd of slab `slab` in root `r`; None when it does not exist. ToolError for
         a link, a FIFO, anything but a regular file, or a file that cannot be opened."""
-        name = f"slab-{slab}.bin"
+        name = slab_name(slab)
         if self.dir_fds[r] is None:
             return None
         try:
@@ -210,8 +211,6 @@ class StoreNamespace:
         """The journal's state, replayed from the file as it is now (re-read only when its
         inode, size or mtime changed since the last replay). Never writes."""
         from tutti.io.journal import decode, encode_put
-        from tutti.io.store import JOURNAL
-
         where = f"journal {self.journal_path!r}"
         try:
             st = _lstat(JOURNAL, self.dir_fds[0], where)
@@ -273,8 +272,6 @@ def _open_root(root: str) -> int:
 
 
 def _read_manifest(name: str, dir_fd: int, ns_path: str, *, missing_ok: bool = False) -> dict | None:
-    from tutti.io.store import MANIFEST, STORE_FORMAT
-
     path = os.path.join(ns_path, MANIFEST)
     try:
         fd, st = _open_file_at(name, dir_fd, f"manifest {path!r}")
@@ -291,18 +288,13 @@ def _read_manifest(name: str, dir_fd: int, ns_path: str, *, missing_ok: bool = F
     finally:
         os.close(fd)
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _Damaged(f"manifest {path!r} is not valid JSON ({exc}); it was edited or damaged: "
-                       f"move {ns_path!r} aside") from None
-    if not isinstance(data, dict) or data.get("format") != STORE_FORMAT:
-        raise _Damaged(f"manifest {path!r} is not a {STORE_FORMAT} manifest; move {ns_path!r} aside")
-    return data
+        return parse_manifest(raw, path, ns_path)
+    except ManifestMismatchError as exc:
+        raise _Damaged(str(exc)) from None
 
 
 def _load_namespace(ns: StoreNamespace, root_fds: list[int], name: str) -> None:
     from tutti.io.fingerprint import Fingerprint
-    from tutti.io.store import MANIFEST, STORE_VERSION
 
     ns.dir_fds = [None] * len(root_fds)
     ns.dir_fds[0] = _open_dir_at(name, root_fds[0], f"namespace {ns.path!r}")
@@ -358,7 +350,6 @@ def open_namespaces(roots: Sequence[str], capacity_bytes: int | None = None) -> 
     """Every namespace under roots[0], opened read-only. Raises CliError when there is none, or
     when a root cannot be read; a namespace that cannot be read carries its reason instead
     (`error`: damaged, `tool_error`: unreadable). `capacity_bytes` is not needed to read."""
-    from tutti.io.store import NAMESPACE_PREFIX
 
     roots = _check_roots(roots)
     root_fds: list[int] = []
@@ -425,7 +416,6 @@ def open_namespaces(roots: Sequence[str], capacity_bytes: int | None = None) -> 
 def _writer_dirs(name: str, root_fd: int, path: str) -> tuple[bool, list[str]] | None:
     """(whether the namespace's top holds a writer's files, its `w-<id>` writer directories), or
     None when the namespace cannot be listed (loading it then says why)."""
-    from tutti.io.store import MANIFEST, WRITER_PREFIX
 
     try:
         fd = _open_dir_at(name, root_fd, f"namespace {path!r}")
@@ -492,7 +482,7 @@ def _slab_stats(ns: StoreNamespace) -> tuple[list[dict[str, Any]], list[str]]:
         except OSError as exc:
             problems.append(str(_os_problem(f"namespace {ns.namespaces[r]!r}", exc)))
             continue
-        for name in sorted(names, key=_slab_order):
+        for name in sorted(names, key=slab_sort_key):
             if not (name.startswith("slab-") and name.endswith(".bin")):
                 continue
             path = os.path.join(ns.namespaces[r], name)
@@ -508,11 +498,6 @@ def _slab_stats(ns: StoreNamespace) -> tuple[list[dict[str, Any]], list[str]]:
                 continue
             slabs.append({"path": path, "size_bytes": st.st_size, "allocated_bytes": st.st_blocks * 512})
     return slabs, problems
-
-
-def _slab_order(name: str) -> tuple[int, str]:
-    digits = name[5:-4] if name.startswith("slab-") and name.endswith(".bin") else ""
-    return (int(digits) if digits.isdigit() else -1, name)
 
 
 def inspect_data(roots: Sequence[str], capacity_bytes: int | None = None) -> list[dict[str, Any]]:

@@ -511,9 +511,9 @@ def test_a_stalled_write_fails_its_chunk_and_holds_its_buffers_until_it_lands(tm
     rep = w.take_report()
     assert rep.stored == [1] and 2 in rep.store_failed  # failed after the deadline, the writer went on
     held = w.stores.reap_stragglers()
-    assert held == 1 and w.store._pins  # its staging region and slab descriptor stay held ...
+    assert held == 1 and w.store.slabs.pins  # its staging region and slab descriptor stay held ...
     w.queue.release()
-    assert w.stores.reap_stragglers() == 0 and not w.store._pins  # ... until the late write lands
+    assert w.stores.reap_stragglers() == 0 and not w.store.slabs.pins  # ... until the late write lands
     dst = make_caches(1)
     run_step(w, StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 1, (8, 9)),
                                    LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]))
@@ -629,17 +629,17 @@ def test_a_capacity_the_file_system_cannot_hold_is_not_pinned_at_start(tmp_path,
     """A writer maps (and on CUDA pins) its whole capacity at start-up only where the file system
     can hold it: pinning pages past a tmpfs's size would fault the server. Otherwise the slabs
     that exist are mapped and the rest as they are created."""
-    from tutti.io import store as store_mod
+    from tutti.io import slabs as slabs_mod
 
-    monkeypatch.setattr(store_mod, "_free_bytes", lambda fd: geometry().slot_bytes)  # room for one slot
+    monkeypatch.setattr(slabs_mod, "free_bytes", lambda fd: geometry().slot_bytes)  # room for one slot
     w = worker(tmp_path, make_caches(1), mapped_loads=True, slots_per_slab=8)
     w.warm_up()
-    assert len(w.store._maps) == 0 and not list(tmp_path.rglob("slab-*.bin"))  # none created ahead
+    assert len(w.store.slabs.maps) == 0 and not list(tmp_path.rglob("slab-*.bin"))  # none created ahead
     w.close()
-    monkeypatch.setattr(store_mod, "_free_bytes", lambda fd: 1 << 40)
+    monkeypatch.setattr(slabs_mod, "free_bytes", lambda fd: 1 << 40)
     w = worker(tmp_path, make_caches(1), mapped_loads=True, slots_per_slab=8)
     w.warm_up()
-    assert len(w.store._maps) == 8 and len(list(tmp_path.rglob("slab-*.bin"))) == 8  # 64 slots / 8
+    assert len(w.store.slabs.maps) == 8 and len(list(tmp_path.rglob("slab-*.bin"))) == 8  # 64 slots / 8
     w.close()
 
 
@@ -679,9 +679,9 @@ def test_stores_into_a_mapped_root_copy_into_the_slots_not_write_calls(tmp_path)
 
 
 def test_a_writer_that_could_not_map_everything_stores_through_the_file(tmp_path, monkeypatch):
-    from tutti.io import store as store_mod
+    from tutti.io import slabs as slabs_mod
 
-    monkeypatch.setattr(store_mod, "_free_bytes", lambda fd: geometry().slot_bytes)
+    monkeypatch.setattr(slabs_mod, "free_bytes", lambda fd: geometry().slot_bytes)
     w = worker(tmp_path, make_caches(0), mapped_loads=True, slots_per_slab=8)
     w.warm_up()
     assert not w.store.maps_every_slab and not w.stores.into_maps
