@@ -93,6 +93,7 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
     under which this process's worker recorded the writer id it took ("auto"). `announce`:
     chunks are announced (KV events), so this writer records its chunks' extras
     (`planner.extras`, tutti.io.extras) and follows the other writers' extras."""
+    from tutti.engine.admission import get_admission
     from tutti.engine.eviction import get_eviction
     from tutti.engine.hit_policy import get_policy
     from tutti.io.store import ChunkStore
@@ -111,7 +112,8 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
                       seed=geom.seed() if mac is None else mac.seed(geom.seed()), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
                       store_decode=cfg.store_decode, num_writers=geom.num_writers,
                       num_groups=max(geom.group_of_layer or [0]) + 1, state_groups=geom.state_groups,
-                      hit_policy=get_policy(cfg.hit_policy), eviction=get_eviction(cfg.eviction_policy))
+                      hit_policy=get_policy(cfg.hit_policy), eviction=get_eviction(cfg.eviction_policy),
+                      admission=get_admission(cfg.store_admission))
     per_rank = []
     for tp, pp, rank in geom.store_ranks:
         rcfg = cfg.for_rank(rank)

@@ -217,6 +217,9 @@ class EngineConfig:
     # Which resident chunk a full store gives up first (tutti.engine.eviction): "lru", "fifo",
     # a registered name or "package.module:attr".
     eviction_policy: str = "lru"
+    # Which computed chunks the store takes at all (tutti.engine.admission): "all", "seen_twice",
+    # a registered name or "package.module:attr".
+    store_admission: str = "all"
     # Publish tutti's KV events (BlockStored/BlockRemoved, medium STORAGE) on this ZMQ endpoint
     # in vLLM's wire format; "" = off (events still go through vLLM's --kv-events-config).
     kv_events_endpoint: str = ""
@@ -356,10 +359,12 @@ class EngineConfig:
                 if not isinstance(v, bool):
                     raise ConfigError(f"{name}={v!r}: expected true or false")
                 kw[name] = v
+        from tutti.engine.admission import get_admission
         from tutti.engine.eviction import get_eviction
         from tutti.engine.hit_policy import get_policy
 
-        for name, resolve in (("hit_policy", get_policy), ("eviction_policy", get_eviction)):
+        for name, resolve in (("hit_policy", get_policy), ("eviction_policy", get_eviction),
+                              ("store_admission", get_admission)):
             if name in raw:
                 v = raw.pop(name)
                 try:

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from tutti.engine.admission import AdmissionPolicy, AdmitAll, StoreCandidate
 from tutti.engine.hit_policy import Always, HitPolicy, HitQuery, RateMeter, Rates, chunk_floor
 from tutti.engine.index import ChunkIndex
 from tutti.engine.keys import Identity, UnkeyableError, chunk_keys, state_key
@@ -68,6 +69,7 @@ class _Request:
     stored_state_upto: int = 0  # state groups: chunks whose end state was planned (or loaded)
     computed: int = 0  # prompt tokens computed or loaded (or to be loaded): the rest is prefill backlog
     declined: int = 0  # hit tokens the policy chose to recompute at the last lookup
+    prompt_len: int = 0  # the prompt's tokens (tokens grows with generated ones under store_decode)
 
 
 @dataclass
@@ -83,7 +85,8 @@ class Planner:
                  num_workers: int = 1, slot_bytes: int = 0, store_decode: bool = False,
                  num_writers: int | None = None, foreign=None, num_groups: int = 1,
                  state_groups: Sequence[int] = (), hit_policy: HitPolicy | None = None,
-                 step_tokens: int = 8192, asynchronous: bool = False, eviction=None) -> None:
+                 step_tokens: int = 8192, asynchronous: bool = False, eviction=None,
+                 admission: AdmissionPolicy | None = None) -> None:
         if chunk_tokens % block_size:
             raise ValueError(
                 f"chunk_tokens={chunk_tokens}: must be a multiple of the KV cache's block_size={block_size}; "
@@ -135,6 +138,7 @@ class Planner:
         self.meter = RateMeter()
         self.step_tokens = step_tokens
         self.asynchronous = asynchronous  # the connector's load mode: outside the batch, or in the step
+        self.admission = admission if admission is not None else AdmitAll()  # tutti.engine.admission
         self._unsent_load_bytes = 0
         self._step_load_bytes: dict[int, int] = {}
         self._backlog = 0  # prompt tokens not computed, as of the last step (plus lookups since)
@@ -143,7 +147,8 @@ class Planner:
     def _request(self, req_id: str, tokens: Sequence[int], identity: Identity | None = None) -> _Request:
         r = self._reqs.get(req_id)
         if r is None:
-            r = _Request(req_id, list(tokens), [], [[] for _ in range(self.num_groups)], identity=identity)
+            r = _Request(req_id, list(tokens), [], [[] for _ in range(self.num_groups)], identity=identity,
+                         prompt_len=len(tokens))
             try:
                 r.keys = chunk_keys(tokens, self.chunk_tokens, self.seed, identity=identity)
             except UnkeyableError as exc:
@@ -390,6 +395,8 @@ class Planner:
             # never stored twice: not if we hold it, are storing it, or another writer holds it
             fresh = [k for k in keys if k not in self.index and not self.index.is_pending(k)
                      and not (self.foreign is not None and k in self.foreign)]
+            if fresh and not isinstance(self.admission, AdmitAll):
+                fresh = self._admitted(fresh, want, keys)
             for k in keys:
                 if k in self.index:
                     self.index.lookup_prefix([k])  # touch: recently used again
@@ -432,6 +439,25 @@ class Planner:
         plan.preempted, self._preempted = self._preempted, []
         self._backlog = sum(max(0, len(r.tokens) - r.computed) for r in self._reqs.values())
         return plan
+
+    def _admitted(self, fresh: list[bytes], want: list, keys: list[bytes]) -> list[bytes]:
+        """The admission policy's yes among the fresh chunks; its no is declined (counted)."""
+        where = {k: w for w, k in zip(want, keys)}
+        resident, out = len(self.index), []
+        for k in fresh:
+            r, c, st = where[k]
+            cand = StoreCandidate(key=k, req_id=r.req_id, chunk=c, prompt_chunks=r.prompt_len // self.chunk_tokens,
+                                  state=st, resident=resident, capacity=self.index.num_slots)
+            try:
+                ok = bool(self.admission.admit(cand))
+            except Exception:  # noqa: BLE001 - a research policy's bug costs its stores, never the step
+                log.exception("tutti: store admission %r failed; storing the chunk", self.admission)
+                ok = True
+            if ok:
+                out.append(k)
+            else:
+                self.stats.stores_declined += 1
+        return out
 
     def _sent(self, step: int, loads: Sequence[LoadChunk]) -> None:
         """These loads went out with `step`: queued until every worker reports the step done."""
