@@ -17,8 +17,8 @@ from typing import Any, Sequence
 
 from tutti.io.integrity import CRC_TAG
 from tutti.io.namespace import (
-    JOURNAL, MANIFEST, NAMESPACE_PREFIX, STORE_VERSION, WRITER_PREFIX, ManifestMismatchError, parse_manifest,
-    slab_sort_key,
+    JOURNAL, MANIFEST, NAMESPACE_PREFIX, STORE_VERSION, ManifestMismatchError, parse_manifest,
+    scan_namespace, slab_sort_key,
 )
 from tutti.io.slabs import slab_name
 
@@ -422,13 +422,8 @@ def _writer_dirs(name: str, root_fd: int, path: str) -> tuple[bool, list[str]] |
     except (OSError, ToolError):
         return None
     try:
-        top, dirs = False, []
-        for entry in os.scandir(fd):
-            if entry.name == MANIFEST:
-                top = True
-            elif entry.name.startswith(WRITER_PREFIX) and entry.is_dir(follow_symlinks=False):
-                dirs.append(entry.name)
-        return top, sorted(dirs)
+        files, dirs = scan_namespace(fd)
+        return MANIFEST in files, dirs
     except OSError:
         return None
     finally:

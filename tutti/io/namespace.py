@@ -334,17 +334,24 @@ def list_writers(root: str, fingerprint: Fingerprint) -> list[str]:
     except (FileNotFoundError, NotADirectoryError, UnsafeFileError):
         return []
     try:
-        out = []
-        for entry in os.scandir(fd):
-            name = entry.name
-            if name == JOURNAL and entry.is_file(follow_symlinks=False):
-                out.append("")
-            elif (name.startswith(WRITER_PREFIX) and WRITER_ID.fullmatch(name[len(WRITER_PREFIX):])
-                  and entry.is_dir(follow_symlinks=False)):
-                out.append(name[len(WRITER_PREFIX):])
-        return sorted(out)
+        files, writer_dirs = scan_namespace(fd)
     finally:
         os.close(fd)
+    ids = [d[len(WRITER_PREFIX):] for d in writer_dirs if WRITER_ID.fullmatch(d[len(WRITER_PREFIX):])]
+    return sorted(([""] if files.get(JOURNAL) else []) + ids)
+
+
+def scan_namespace(fd: int) -> tuple[dict[str, bool], list[str]]:
+    """({name: is a regular file} of what else is at a namespace's top, its `w-*` writer
+    directories, sorted), never following a link: what the store's followers and `tutti
+    inspect` both walk (the tool reports a top-level name that is not a regular file)."""
+    files, dirs = {}, []
+    for entry in os.scandir(fd):
+        if entry.name.startswith(WRITER_PREFIX) and entry.is_dir(follow_symlinks=False):
+            dirs.append(entry.name)
+        else:
+            files[entry.name] = entry.is_file(follow_symlinks=False)
+    return files, sorted(dirs)
 
 
 def exists(name: str, dir_fd: int | None) -> bool:
