@@ -25,6 +25,7 @@ import torch
 
 from tutti.engine.context import Counters, JournalView, WorkerContext, as_signed64, log, nvtx_range
 from tutti.engine.hostcost import gil_free_wait
+from tutti.engine.mapped_loads import load_mapped
 from tutti.engine.plan import LoadChunk
 from tutti.engine.staging import StagingRing, StagingSlot
 from tutti.format import segment_bytes, token_span
@@ -119,12 +120,14 @@ class LoadPipeline:
         if ctx.cfg.verify_checksums and ctx.mac is None:  # keyed tags are checked on the host instead
             with self._on_stream():
                 self._bad = torch.zeros((len(self._loads), ctx.num_layers), dtype=torch.bool, device=ctx.device)
-        first = self._load_mapped() if self.maps and ctx.num_groups == 1 else 0  # one block list for all layers
+        # RAM roots: the chunks whose slabs are mapped, whole (tutti.engine.mapped_loads; one block
+        # list for all layers, so not for hybrid models); the rest go through the file path
+        mapped = load_mapped(self) if self.maps and ctx.num_groups == 1 else set()
         for layer in range(ctx.num_layers):
             # a sliding-window layer reads only the chunks with blocks inside the window at the hit's
             # end: the rest of its segments are neither read nor scattered (hybrid models)
-            todo = [i for i in range(first, len(self._loads))
-                    if ctx.moves_layer(self._loads[i].block_ids, layer, self._loads[i].skip_blocks)]
+            todo = [i for i in range(len(self._loads)) if i not in mapped
+                    and ctx.moves_layer(self._loads[i].block_ids, layer, self._loads[i].skip_blocks)]
             for k in range(0, len(todo), self.per_slot):
                 idx = todo[k:k + self.per_slot]
                 self._items.append(_Item(layer, idx, [self._loads[i] for i in idx]))
@@ -133,75 +136,54 @@ class LoadPipeline:
         else:
             self.wait_layer(ctx.num_layers - 1)
 
-    # ---------------------------------------------------------------- mapped slabs, chunk-major
-    def _load_mapped(self) -> int:
-        """RAM roots: every chunk whose slab is mapped goes to the device as ONE copy of all its
-        layers (a DMA from the page cache on CUDA), grouped into the whole load ring, then one
-        checksum launch and one scatter launch for every layer of the group. The step's mapped
-        chunks are moved to the front of the step's loads; returns how many there are. Their KV
-        is complete only when all of them are: every layer waits on one event."""
+    # ---------------------------------------------------------------- verify and scatter
+    def verify(self, data: torch.Tensor, idx: list[int], layers: list[int], where: int) -> None:
+        """Checksums of `data` ([len(idx), len(layers), seg]: loads idx, those layers) against the
+        journaled ones, OR-ed into the step's device verdicts (read after the forward). One launch;
+        both load paths come through here."""
         ctx = self.ctx
-        cb = ctx.chunk_bytes
-        views = []
-        for ld in self._loads:
-            try:
-                views.append(self._source(ld)[0].mapped(ld.slot, 0, cb))
-            except Exception:  # noqa: BLE001 - the file path reports what is wrong
-                views.append(None)
-        order = [i for i, v in enumerate(views) if v is not None]
-        if not order:
-            return 0
-        span = self.ring.slot_bytes * len(self.ring)
-        per_group = span // cb
-        if per_group == 0 or (slots := self.ring.acquire_all()) is None:
-            return 0  # a chunk is larger than the load ring, or reads of an earlier step still hold it
-        rest = [i for i, v in enumerate(views) if v is None]
-        self._loads = [self._loads[i] for i in order + rest]
-        self._sums = [self._sums[i] for i in order + rest]
-        views = [views[i] for i in order]
-        buf = self.ring.device_buffer if ctx.cuda else self.ring.buffer
-        with self._on_stream():
-            for g in range(0, len(views), per_group):
-                self._load_group(buf, g, views[g:g + per_group])
-            ev = None
-            if ctx.cuda:
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
-        for slot in slots:
-            self.ring.release(slot, ev)
-        self._mapped_ready, self._mapped_pending = ev, True
-        return len(views)
-
-    def _load_group(self, buf: torch.Tensor, first: int, views: list[torch.Tensor]) -> None:
-        ctx = self.ctx
-        L, seg, cb, n = ctx.num_layers, ctx.seg, ctx.chunk_bytes, len(views)
-        loads = self._loads[first:first + n]
-        good = []
-        for i, (ld, view) in enumerate(zip(loads, views)):
-            if ld.key in self._failed_keys:
-                continue
-            if ctx.mac is not None and not self._tags_match(ld, self._sums[first + i], view):
-                continue
-            buf[i * cb:(i + 1) * cb].copy_(view, non_blocking=ctx.cuda)
-            good.append(i)
-        if not good:
+        if self._bad is None:
             return
-        chunks = buf[: n * cb].view(n, L, seg)
-        if self._bad is not None:
-            with nvtx_range("verify", 0):
-                want = ctx.index([as_signed64(x) for i in range(n) for x in self._sums[first + i]]).view(n, L)
-                bad = self._bad[first:first + n]
-                torch.logical_or(bad, ctx.checksum(chunks.view(n * L, seg)).view(n, L) != want, out=bad)
-        with nvtx_range("scatter", 0):
-            full = [i for i in good if loads[i].skip_blocks == 0]
-            if full:
-                rows = chunks if len(full) == n else chunks.index_select(0, ctx.index(full))
-                ctx.scatter(ctx.caches, [loads[i].block_ids for i in full], rows.transpose(0, 1))
-            for i in good:
-                if loads[i].skip_blocks:
-                    for layer in range(L):
-                        self._scatter_partial(layer, chunks[i, layer], tuple(loads[i].block_ids), loads[i].skip_blocks)
-        self._bytes += len(good) * L * seg
+        n, k = len(idx), len(layers)
+        with nvtx_range("verify", where):
+            want = ctx.index([as_signed64(self._sums[j][layer]) for j in idx for layer in layers]).view(n, k)
+            mismatch = ctx.checksum(data.reshape(n * k, ctx.seg)).view(n, k) != want
+            lo = idx[0]
+            if idx == list(range(lo, lo + n)) and layers == list(range(layers[0], layers[0] + k)):
+                bad = self._bad[lo:lo + n, layers[0]:layers[0] + k]  # consecutive: in place
+                torch.logical_or(bad, mismatch, out=bad)
+            else:
+                rows, cols = ctx.index(idx).unsqueeze(1), ctx.index(layers).unsqueeze(0)
+                self._bad[rows, cols] = self._bad[rows, cols] | mismatch
+
+    def scatter(self, data: torch.Tensor, idx: list[int], layers: list[int], good: list[int], where: int) -> None:
+        """Rows `good` of `data` (as in verify) into their blocks: one launch for the rows with
+        nothing to skip (for all layers at once where every layer has the one block list), the
+        partial ones (vLLM's own prefix cache, a sliding window's start) block by block."""
+        ctx = self.ctx
+        with nvtx_range("scatter", where):
+            if ctx.num_groups == 1:
+                full = [r for r in good if self._loads[idx[r]].skip_blocks == 0]
+                if full:
+                    rows = data if len(full) == len(idx) else data.index_select(0, ctx.index(full))
+                    ctx.scatter([ctx.caches[layer] for layer in layers], [self._loads[idx[r]].block_ids for r in full],
+                                rows.transpose(0, 1))
+            # one group: only rows with blocks to skip are left; hybrid models: every row, layer by
+            # layer (a layer's group decides its blocks and what its window skips)
+            rest = good if ctx.num_groups > 1 else [r for r in good if self._loads[idx[r]].skip_blocks]
+            for li, layer in enumerate(layers if rest else ()):
+                skips = {r: ctx.skip_for(self._loads[idx[r]].block_ids, self._loads[idx[r]].skip_blocks, layer)
+                         for r in rest}
+                if ctx.num_groups > 1:
+                    full = [r for r in rest if skips[r] == 0]
+                    if full:
+                        rows = data[:, li] if len(full) == len(idx) else data[:, li].index_select(0, ctx.index(full))
+                        ctx.scatter([ctx.caches[layer]], [ctx.blocks_for(self._loads[idx[r]].block_ids, layer)
+                                                          for r in full], rows.unsqueeze(0))
+                for r in rest:
+                    blocks = ctx.blocks_for(self._loads[idx[r]].block_ids, layer)
+                    if 0 < skips[r] < len(blocks):
+                        self._scatter_partial(layer, data[r, li], blocks, skips[r])
 
     def _tags_match(self, ld: LoadChunk, sums: tuple[int, ...], view: torch.Tensor) -> bool:
         """With a secret: every layer's keyed tag, on the host, before anything is copied."""
@@ -422,28 +404,9 @@ class LoadPipeline:
                                 slot.device[i * seg:(i + 1) * seg].copy_(slot.host[i * seg:(i + 1) * seg],
                                                                          non_blocking=True)
                     src = slot.device[: n * seg].view(n, seg)
-                if self._bad is not None:
-                    with nvtx_range("verify", item.layer):
-                        want = ctx.index([as_signed64(self._sums[j][item.layer]) for j in item.idx])
-                        lo = item.idx[0]
-                        if item.idx == list(range(lo, lo + n)):  # consecutive loads: one slice, in place
-                            bad = self._bad[lo:lo + n, item.layer]
-                            torch.logical_or(bad, ctx.checksum(src) != want, out=bad)
-                        else:
-                            rows = ctx.index(item.idx)
-                            self._bad[rows, item.layer] = self._bad[rows, item.layer] | (ctx.checksum(src) != want)
-                with nvtx_range("scatter", item.layer):
-                    layer = item.layer
-                    skips = {i: ctx.skip_for(ld.block_ids, ld.skip_blocks, layer) for i, ld in good}
-                    full = [(i, ld) for i, ld in good if skips[i] == 0]
-                    if full:
-                        rows = src if len(full) == n else src.index_select(0, ctx.index([i for i, _ in full]))
-                        ctx.scatter([ctx.caches[layer]], [ctx.blocks_for(ld.block_ids, layer) for _, ld in full],
-                                    rows.unsqueeze(0))
-                    for i, ld in good:
-                        blocks = ctx.blocks_for(ld.block_ids, layer)
-                        if 0 < skips[i] < len(blocks):
-                            self._scatter_partial(layer, src[i], blocks, skips[i])
+                data = src.view(n, 1, seg)
+                self.verify(data, item.idx, [item.layer], item.layer)
+                self.scatter(data, item.idx, [item.layer], [i for i, _ in good], item.layer)
                 if ctx.cuda:
                     ev = torch.cuda.Event()
                     ev.record(self.stream)
