@@ -4,6 +4,9 @@ Read-only and hostile-input safe: every directory and file is opened relative to
 descriptor, never through a link, never blocking on a FIFO; a damaged store is a finding
 (exit status 1 in the CLI), a store that cannot be read is a tool error (exit status 2).
 Nothing here imports vLLM or the engine.
+
+One idea (a store read as hostile input, to report on it): it opens files its own way, and takes
+the store's layout from the store's own pieces (tutti.io.namespace, tutti.io.slabs).
 """
 
 from __future__ import annotations

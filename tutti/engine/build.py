@@ -21,6 +21,9 @@ from tutti.io.rammap import RAM_FILESYSTEMS, fs_type
 log = logging.getLogger("tutti.engine")
 
 
+READ_SECRET = object()  # build_planner/build_worker: read the config's secret (else: the tagger given)
+
+
 def segment_mac(cfg: EngineConfig):
     """The keyed tagger of a config with a secret, else None (the secret is read, never kept in cfg)."""
     from tutti.io.integrity import SegmentMac, load_secret
@@ -88,7 +91,7 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
 
 
 def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry, *, engine_id: str = "",
-                  announce: bool = False) -> Planner:
+                  announce: bool = False, mac: Any = READ_SECRET) -> Planner:
     """The scheduler's half: the index rebuilt from every rank's journal. `engine_id`: vLLM's,
     under which this process's worker recorded the writer id it took ("auto"). `announce`:
     chunks are announced (KV events), so this writer records its chunks' extras
@@ -106,7 +109,7 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
                      "assumes the namespace's writer slot ('')", engine_id)
         cfg = dataclasses.replace(cfg, writer_id=took or "")
     num_slots = check_geometry(cfg, geom)
-    mac = segment_mac(cfg)
+    mac = segment_mac(cfg) if mac is READ_SECRET else mac  # the connector read it once for its half
     geom = with_integrity(geom, mac)
     planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
                       seed=geom.seed() if mac is None else mac.seed(geom.seed()), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
@@ -224,7 +227,7 @@ def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file
 
 def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry, *, caches: Sequence[torch.Tensor], layout,
                  kernel_blocks_per_block: int = 1, rank: int = 0, async_loads: bool | None = None,
-                 step_tokens: int | None = None, engine_id: str = "") -> WorkerPipeline:
+                 step_tokens: int | None = None, engine_id: str = "", mac: Any = READ_SECRET) -> WorkerPipeline:
     """One worker's half: its store (writer), IO queue, kernels and staging ring. `async_loads`:
     the scheduler loads every hit asynchronously (its own staging slots and thread); None: only
     where the config says true ("auto" is the connector's to resolve, from what vLLM runs).
@@ -236,7 +239,7 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
     cfg = EngineConfig.of(raw_config, rank=rank).sized_staging(
         segment_bytes=geom.segment_bytes, chunk_bytes=geom.slot_bytes, step_tokens=step_tokens)
     check_geometry(cfg, geom)
-    mac = segment_mac(cfg)  # the secret is read once per half, before any IO
+    mac = segment_mac(cfg) if mac is READ_SECRET else mac  # the secret is read once per half, before any IO
     geom = with_integrity(geom, mac)
     if mac is not None:  # tags right for this rank's namespace only (hardening round two, item 1)
         mac = mac.bound(geom.fingerprint().digest())

@@ -3,6 +3,9 @@
 It tracks each request's chunks, answers prefix lookups, decides what each step loads and
 stores (reserving slots in the index) and turns worker reports into commits, aborts and
 drops. It knows nothing of vLLM: the connector feeds it plain ids, tokens and block lists.
+
+One idea (a request's chunks from lookup to commit): the decisions it asks for live behind
+seams of their own (tutti.engine.hit_policy, admission, eviction; the slots in tutti.engine.index).
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ that later appends would hide behind. Compaction rewrites the live state to a te
 exclusively, never through a link), fsyncs it and renames it over the journal: a crash leaves
 either the old or the new file, both whole.
 
+One idea, one module (its length is the record format, its replay and its compaction, which
+must agree byte for byte): nothing else reads or writes `journal.bin`.
+
 The file is opened as a storage engine opens its files (`tutti.io.safefs`): relative to a
 directory descriptor when given, never following a link, never blocking on a FIFO, and refused
 unless it is a regular file of ours with one link and no group or world write bit. A writer checks

@@ -13,6 +13,8 @@ the SQ inside io_uring_enter, and a syscall is a full barrier on every architect
 side is ordered everywhere. On the CQ side plain loads are enough on x86 (TSO); on weakly
 ordered CPUs (aarch64) we rely on the reaper only reading the ring right after io_uring_enter
 returned, which again is a syscall boundary.
+
+One idea (one ring, its memory ordering and its completions), which does not split well.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Features are detected (hasattr / try-import), not versions compared, so a point release
 that back-ports an API keeps working.
+
+One idea (the boundary with vLLM's versions), however long: a shim anywhere else would make
+`connector.py` more than a translation of callbacks.
 """
 
 from __future__ import annotations

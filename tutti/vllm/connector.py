@@ -106,7 +106,8 @@ class TuttiConnectorV1(KVConnectorBase_V1):
                 "asynchronous load failed (no KVConnectorTransferResults), so a damaged chunk could be served; "
                 "hybrid models need vLLM 0.32 or later with tutti, or TuttiConnectorV1 (hybrid manager off)")
         # validates the secret (if any) before any IO; the namespace of a keyed store is its own
-        self._geom = with_integrity(geom, segment_mac(self._cfg))
+        self._mac = segment_mac(self._cfg)  # the secret, read once for this half
+        self._geom = with_integrity(geom, self._mac)
         check_geometry(self._cfg, self._geom)  # chunk vs block size, capacity, staging: before any IO
         self._planner = None
         self._worker = None
@@ -126,7 +127,8 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             # extras and announces the other writers' (any replica can load them)
             kec = getattr(vllm_config, "kv_events_config", None)
             announce = bool(self._cfg.kv_events_endpoint or getattr(kec, "enable_kv_cache_events", False))
-            self._planner = build_planner(self._cfg, self._geom, engine_id=self._engine_id, announce=announce)
+            self._planner = build_planner(self._cfg, self._geom, engine_id=self._engine_id, announce=announce,
+                                          mac=self._mac)
             self._planner.asynchronous = self._async_loads  # the hit policy models this load mode
             self._planner.step_tokens = compat.step_tokens(vllm_config) or 8192
             self._sched_stats = SchedulerStatsTracker(self._planner.index.num_slots * self._planner.slot_bytes)
@@ -205,7 +207,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
                                         kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config),
                                         async_loads=self._async_loads and not self._hybrid,
                                         step_tokens=compat.step_tokens(self._vllm_config),
-                                        engine_id=self._engine_id)
+                                        engine_id=self._engine_id, mac=self._mac)
         except Exception:
             compat.release_global_connector(self)  # the engine will not start: do not haunt the next one
             raise
