@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from tutti.format import SEGMENT_ALIGN, segment_bytes as _segment_bytes
+from tutti.format import segment_bytes as _segment_bytes
 
 ROLES = ("block", "token", "head", "kv", "dim", "layer")
 

@@ -572,12 +572,6 @@ def has_layout_api() -> bool:
     return True
 
 
-def connector_classes() -> tuple[type, type, type]:
-    """(KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole): same path in 0.26-0.33."""
-    b = _base()
-    return b.KVConnectorBase_V1, b.KVConnectorMetadata, b.KVConnectorRole
-
-
 def make_transfer_results(finished_sending: set[str], finished_recving: set[str],
                           failed_recving: set[str] = frozenset()) -> Any:
     """What ``get_transfer_results`` returns on 0.32+.
