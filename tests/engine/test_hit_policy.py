@@ -247,3 +247,37 @@ def test_the_planner_times_steps_by_their_reports():
     p.meter._pending[plan.step] = (8192, p.meter._pending[plan.step][1] - 0.25)  # scheduled 0.25 s ago
     p.on_report(WorkerReport(steps_done=[plan.step]))
     assert 8192 / 0.3 < p.meter.prefill_rate < 8192 / 0.25
+
+
+def budget_planner(budget):
+    p = Planner(num_slots=64, chunk_tokens=32, block_size=16, seed=b"s" * 32, slot_bytes=32 * 1000,
+                hit_policy=Always(), asynchronous=False)
+    p.sync_budget, p.can_load_async = budget, True
+    return p
+
+
+def test_a_hit_past_the_steps_sync_budget_loads_asynchronously():
+    """Layer-wise mode with a byte budget per step (sync_load_budget_bytes): hits within it load
+    in the step, the hit that would pass it loads asynchronously (the request waits outside the
+    batch), and the next step has a fresh budget."""
+    p = budget_planner(100_000)  # 1000 B a token: 100 tokens a step
+    toks = list(range(1, 200))
+    store_prefix(p, toks)
+    assert p.match("a", toks[:70] + [1], 0) == 64 and not p.wants_async("a")  # 64 kB: within
+    assert p.match("b", toks + [2], 0) == 192 and p.wants_async("b")  # 64 + 192 kB: past it
+    p.on_alloc("b", list(range(13)), 192, async_load=p.wants_async("b"))
+    assert p.stats.async_hit_tokens == 192
+    p.build_step({}, {})
+    assert p.match("c", toks[:70] + [3], 0) == 64 and not p.wants_async("c")  # a new step: within again
+    off = budget_planner("off")
+    store_prefix(off, toks)
+    assert off.match("d", toks + [4], 0) == 192 and not off.wants_async("d")
+
+
+def test_the_auto_budget_is_what_the_read_rate_moves_in_one_full_step():
+    p = budget_planner("auto")
+    assert p.sync_budget_bytes() is None  # nothing measured: no budget yet
+    p.meter.on_loads(int(1e9), 1.0)  # 1 GB/s
+    for t in (0.0, 0.3, 0.6):
+        p.meter.on_step(8192, now=t)  # 27k tokens/s: a full step of 8192 tokens takes 0.3 s
+    assert p.sync_budget_bytes() == pytest.approx(0.3e9, rel=1e-6)

@@ -249,9 +249,11 @@ def test_hit_policy_loads_or_recomputes_on_a_slow_store(tiny_model, tmp_path, re
         return results_of(code)
 
     res, stats = run("auto", [p1, p2], [p1, p2], tmp_path / "kv1")
-    # loaded whole (rate unmeasured); then recomputed by choice, but for at most the chunk or two
-    # whose read hides under the step's compute of the rest (the layer-wise overlap)
-    assert res[0]["cached"] == 9 * CHUNK and res[1]["cached"] <= 2 * CHUNK
+    # loaded whole (rate unmeasured); then recomputed by choice, but for the chunks whose read
+    # hides under the step's compute of the rest (the layer-wise overlap)
+    # (how many chunks hide depends on the rates this machine measures: under CI's two parallel
+    # workers its prefill is slower, so more of the read hides; never most of it at 2 MB/s)
+    assert res[0]["cached"] == 9 * CHUNK and res[1]["cached"] <= 4 * CHUNK
     assert stats["hit_tokens"] == 9 * CHUNK + res[1]["cached"]
     assert stats["declined_hit_tokens"] == 9 * CHUNK - res[1]["cached"]
     assert [r["tokens"] for r in res] == ref[:2]
@@ -269,3 +271,37 @@ def test_auto_staging_takes_every_store_of_back_to_back_full_steps(tiny_model, t
     res, stats = child_run(tiny_model, kv_config(tmp_path / "kv"), prompts, max_tokens=2)
     assert stats["stores_skipped"] == 0 and stats["stores_failed"] == 0
     assert stats["stores_committed"] == 6 * (1000 // CHUNK)
+
+
+def test_a_hit_past_the_steps_load_budget_loads_asynchronously(tiny_model, tmp_path, reference):
+    """Layer-wise loads (`async_loads: false`) with `sync_load_budget_bytes` of two chunks: a hit
+    of nine chunks is past it and loads asynchronously (vLLM holds the request outside the batch
+    until the worker reports it received), a hit of one chunk loads in its step. Tokens equal
+    recompute for both (this model's tokens depend on the loaded KV: see the loads-dropped
+    control of test_store_then_load_in_a_fresh_process)."""
+    long, short = prompt(71, 600), prompt(72, 100)
+    ref = reference([long, short])
+    chunk_bytes = CHUNK * 2 * 2 * 64 * 4 * 2  # tokens x KV heads x (K|V) x head_dim x fp32 x layers
+    kvt = kv_config(tmp_path / "kv", async_loads=False, sync_load_budget_bytes=2 * chunk_bytes)
+    code = (
+        "import json, harness\n"
+        f"llm = harness.make_llm({str(tiny_model)!r}, kv_transfer_config={kvt!r}, enable_prefix_caching=False)\n"
+        f"harness.generate_ids(llm, [{long!r}, {short!r}], 1)\n"
+        "harness.settle(llm)\n"
+        "conn = harness.connector(llm)\n"
+        "out = []\n"
+        f"for p in [{long!r}, {short!r}]:\n"
+        "    before = conn.planner.stats.copy()\n"
+        "    o = harness.generate_ids(llm, [p], 8)[0]\n"
+        "    d = conn.planner.stats.since(before)\n"
+        "    out.append({'tokens': list(o.outputs[0].token_ids), 'cached': o.num_cached_tokens,\n"
+        "                'async': d['async_hit_tokens'], 'hit': d['hit_tokens']})\n"
+        "print('RESULT', json.dumps(out))\n"
+        "print('STATS', json.dumps(vars(conn.planner.stats)))\n"
+        "harness.shutdown_llm(llm)\n"
+    )
+    res, stats = results_of(code)
+    assert res[0]["hit"] == 9 * CHUNK and res[0]["async"] == 9 * CHUNK, res  # past the budget: asynchronously
+    assert res[1]["hit"] == CHUNK and res[1]["async"] == 0, res  # within it: in the step
+    assert [r["tokens"] for r in res] == ref
+    assert stats["loads_failed"] == 0

@@ -226,11 +226,12 @@ def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file
 
 
 def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry, *, caches: Sequence[torch.Tensor], layout,
-                 kernel_blocks_per_block: int = 1, rank: int = 0, async_loads: bool | None = None,
+                 kernel_blocks_per_block: int = 1, rank: int = 0, async_loads: bool | str | None = None,
                  step_tokens: int | None = None, engine_id: str = "", mac: Any = READ_SECRET) -> WorkerPipeline:
     """One worker's half: its store (writer), IO queue, kernels and staging ring. `async_loads`:
-    the scheduler loads every hit asynchronously (its own staging slots and thread); None: only
-    where the config says true ("auto" is the connector's to resolve, from what vLLM runs).
+    the scheduler loads every hit asynchronously (its own staging slots and thread); "split":
+    layer-wise, and hits past the step's byte budget asynchronously (a quarter of the load slots);
+    None: only where the config says true ("auto" is the connector's to resolve, from what vLLM runs).
     `step_tokens`: vLLM's token budget of a step, which "auto" staging is sized for."""
     from tutti.io.queue import open_queue
     from tutti.io.store import ChunkStore

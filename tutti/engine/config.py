@@ -209,6 +209,11 @@ class EngineConfig:
     # there a step is scheduled before the last one's output is read, so a layer-wise load that
     # fails its checksum would already have a token sampled from its KV in flight.
     async_loads: Any = "auto"
+    # Where hits load in the step (async_loads false): the bytes one step may load layer-wise; a
+    # hit past it loads asynchronously instead, so no step waits on a load it cannot hide (vLLM
+    # 0.33's connector calls its knob sync_load_budget_bytes). "auto" = what the measured read
+    # rate moves while the GPU computes one full step; "off" = no budget; or a size.
+    sync_load_budget_bytes: Any = "auto"
     store_decode: bool = False  # also store chunks completed by generated tokens
     # How much of a hit to load (tutti.engine.hit_policy): "auto" loads only what its measured
     # read and prefill rates say is faster than recomputing; "always", "never", a registered
@@ -353,6 +358,17 @@ class EngineConfig:
                 if not (v == "auto" and isinstance(v, str) or isinstance(v, bool)):
                     raise ConfigError(f"{name}={v!r}: expected \"auto\" ({auto}), true or false")
                 kw[name] = v
+        if "sync_load_budget_bytes" in raw:
+            v = raw.pop("sync_load_budget_bytes")
+            if v not in ("auto", "off"):
+                try:
+                    v = parse_bytes("sync_load_budget_bytes", v)
+                    if v < 0:
+                        raise ConfigError("negative")
+                except ConfigError:
+                    raise ConfigError(f"sync_load_budget_bytes={v!r}: expected \"auto\" (what the read rate moves in "
+                                      "one step), \"off\" (no budget) or a size such as '256MiB'") from None
+            kw["sync_load_budget_bytes"] = v
         for name in ("verify_checksums", "store_decode"):
             if name in raw:
                 v = raw.pop(name)

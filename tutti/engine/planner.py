@@ -73,6 +73,7 @@ class _Request:
     computed: int = 0  # prompt tokens computed or loaded (or to be loaded): the rest is prefill backlog
     declined: int = 0  # hit tokens the policy chose to recompute at the last lookup
     prompt_len: int = 0  # the prompt's tokens (tokens grows with generated ones under store_decode)
+    load_async: bool = False  # the last lookup's hit goes asynchronously (past the step's sync budget)
 
 
 @dataclass
@@ -142,6 +143,12 @@ class Planner:
         self.step_tokens = step_tokens
         self.asynchronous = asynchronous  # the connector's load mode: outside the batch, or in the step
         self.admission = admission if admission is not None else AdmitAll()  # tutti.engine.admission
+        # Layer-wise mode only: the bytes one step may load in the step ("auto": what the read rate
+        # moves while the GPU computes a full step; None: no budget), and whether a hit past it
+        # can load asynchronously instead (the connector says; the worker then has async slots).
+        self.sync_budget: int | str | None = None
+        self.can_load_async = False
+        self._step_sync_bytes = 0  # loaded in the step being scheduled
         self._unsent_load_bytes = 0
         self._step_load_bytes: dict[int, int] = {}
         self._backlog = 0  # prompt tokens not computed, as of the last step (plus lookups since)
@@ -190,7 +197,17 @@ class Planner:
             self._backlog += len(tokens) - num_computed_tokens
             return 0
         found = hit_tokens - num_computed_tokens
+        r.load_async = self.asynchronous
         take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens)
+        if take > 0 and not self.asynchronous and self.can_load_async:
+            budget = self.sync_budget_bytes()
+            if budget is not None and self._step_sync_bytes + take * self.slot_bytes / self.chunk_tokens > budget:
+                # past what the step can load without waiting: asynchronously (the request waits
+                # outside the batch), as much as the cost model says for that mode
+                r.load_async = True
+                take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens, asynchronous=True)
+            else:
+                self._step_sync_bytes += int(take * self.slot_bytes / self.chunk_tokens)
         if self.state_groups and take < found:  # a shorter hit must end on a chunk whose state is stored
             take = 0
         r.declined = found - take  # counted once vLLM allocates (it may look a request up again)
@@ -202,11 +219,30 @@ class Planner:
         r.computed = num_computed_tokens + take
         return take
 
-    def _choose(self, found: int, prompt_tokens: int, max_load_tokens: int | None) -> int:
+    def sync_budget_bytes(self) -> float | None:
+        """The bytes one step may load layer-wise now (None: no budget, or not measured yet)."""
+        if self.sync_budget is None or self.sync_budget == "off":
+            return None
+        if self.sync_budget != "auto":
+            return float(self.sync_budget)
+        overhead, rate = self.meter.load_model()
+        prefill = self.meter.prefill_rate
+        if not rate or not prefill:
+            return None
+        return max(0.0, rate * (self.step_tokens / prefill - overhead))
+
+    def wants_async(self, req_id: str) -> bool:
+        """Whether the request's last lookup chose to load asynchronously."""
+        r = self._reqs.get(req_id)
+        return bool(r is not None and r.load_async)
+
+    def _choose(self, found: int, prompt_tokens: int, max_load_tokens: int | None,
+                asynchronous: bool | None = None) -> int:
         """The hit policy's choice among the loadable counts of a hit of `found` tokens."""
         q = HitQuery(hit_tokens=found, prompt_tokens=prompt_tokens, chunk_tokens=self.chunk_tokens,
                      bytes_per_token=self.slot_bytes / self.chunk_tokens, step_tokens=self.step_tokens,
-                     asynchronous=self.asynchronous, max_load_tokens=max_load_tokens)
+                     asynchronous=self.asynchronous if asynchronous is None else asynchronous,
+                     max_load_tokens=max_load_tokens)
         overhead, load_rate = self.meter.load_model()
         rates = Rates(load_rate, self.meter.prefill_rate,
                       queued_load_bytes=self._unsent_load_bytes + sum(self._step_load_bytes.values()),
@@ -369,6 +405,7 @@ class Planner:
         top of `computed_before[req]`."""
         plan = StepPlan(step=next(self._steps))
         self.meter.on_scheduled(plan.step, sum(scheduled.values()))
+        self._step_sync_bytes = 0  # the next step's lookups start a new budget
         pins: list[bytes] = []
         foreign_keys: list[bytes] = []
         want: list[tuple[_Request, int]] = []

@@ -38,7 +38,7 @@ class WorkerPipeline:
                  kernel, checksum: Callable[[torch.Tensor], torch.Tensor], segment_bytes: int,
                  chunk_tokens: int, kernel_blocks_per_block: int = 1, staging: torch.Tensor | None = None,
                  writes: bool = True, mac=None, foreign=None, group_of_layer: list[int] | None = None,
-                 async_loads: bool = False) -> None:
+                 async_loads: bool | str = False) -> None:
         self.cfg = cfg
         if group_of_layer is not None and len(group_of_layer) != len(caches):
             raise ValueError(f"group_of_layer: {len(group_of_layer)} entries for {len(caches)} layers")
@@ -56,7 +56,14 @@ class WorkerPipeline:
         # registered buffer: every load slot but one where every hit loads that way, a quarter (at
         # least one) for hybrid models otherwise.
         async_slots = 0
-        if async_loads:
+        if async_loads == "split":  # layer-wise loads, and the hits past the step's budget asynchronously
+            if load_slots < 2:
+                raise ValueError(f"sync_load_budget_bytes: hits past the budget load asynchronously, in load "
+                                 f"staging slots of their own, and staging_slots={cfg.staging_slots} - "
+                                 f"max_inflight_stores={cfg.max_inflight_stores} leaves {load_slots}; raise "
+                                 "staging_slots, lower max_inflight_stores, or set sync_load_budget_bytes to \"off\"")
+            async_slots = max(1, load_slots // 4)
+        elif async_loads:
             if load_slots < 2:
                 raise ValueError(f"async_loads: needs at least 2 load staging slots, and staging_slots="
                                  f"{cfg.staging_slots} - max_inflight_stores={cfg.max_inflight_stores} leaves "

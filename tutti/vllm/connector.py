@@ -99,6 +99,9 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         # checksum there would already have a token sampled from its KV in flight (see async_loads).
         mode = self._cfg.async_loads
         self._async_loads = self._hybrid or mode is True or (mode == "auto" and compat.schedules_async(vllm_config))
+        # Layer-wise loads with a per-step byte budget: a hit past it loads asynchronously, so the
+        # worker keeps a quarter of its load slots for those (sync_load_budget_bytes)
+        self._budgeted = not self._async_loads and self._cfg.sync_load_budget_bytes != "off"
         self._failed_async_blocks: set[int] = set()
         if self._hybrid and not compat.has_transfer_results():
             raise ValueError(
@@ -130,6 +133,9 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._planner = build_planner(self._cfg, self._geom, engine_id=self._engine_id, announce=announce,
                                           mac=self._mac)
             self._planner.asynchronous = self._async_loads  # the hit policy models this load mode
+            if self._budgeted:
+                self._planner.sync_budget = self._cfg.sync_load_budget_bytes
+                self._planner.can_load_async = True
             self._planner.step_tokens = compat.step_tokens(vllm_config) or 8192
             self._sched_stats = SchedulerStatsTracker(self._planner.index.num_slots * self._planner.slot_bytes)
             hash_bs = self._hash_block_size
@@ -205,7 +211,8 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         try:
             self._worker = build_worker(self._cfg, geom, caches=views, layout=layout,
                                         kernel_blocks_per_block=kbpb, rank=compat.worker_rank(self._vllm_config),
-                                        async_loads=self._async_loads and not self._hybrid,
+                                        async_loads=(self._async_loads and not self._hybrid) or
+                                        ("split" if self._budgeted else False),
                                         step_tokens=compat.step_tokens(self._vllm_config),
                                         engine_id=self._engine_id, mac=self._mac)
         except Exception:
@@ -334,14 +341,15 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._requests[request.request_id] = request  # its generated tokens, read each step
         if self._events is not None:
             self._events.add_request(request)
-        # layer-wise inside the step, or asynchronously (vLLM holds the request until received)
-        return n, bool(self._async_loads and n)
+        # layer-wise inside the step, or asynchronously (vLLM holds the request until received):
+        # every hit where vLLM schedules asynchronously, else those past the step's byte budget
+        return n, bool(n and (self._async_loads or self._planner.wants_async(request.request_id)))
 
     @timed("_hooks")
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         assert self._planner is not None
         self._planner.on_alloc(request.request_id, self._blocks(blocks), num_external_tokens,
-                               async_load=self._async_loads)
+                               async_load=self._async_loads or self._planner.wants_async(request.request_id))
 
     @timed("_hooks")
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
