@@ -19,6 +19,7 @@ cache. Two processes per geometry, one engine each:
 
     python3 bench/load_or_compute.py --out $OUT [--geometry 8b|70b] [--lengths 8192,32768]
     python3 bench/load_or_compute.py --out /tmp/loc --tiny        # the CPU smoke run
+    python3 bench/load_or_compute.py --out $OUT --no-async-scheduling   # hits layer-wise, overlapped
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def run_phase(phase: str, a) -> dict:
 
     t0 = time.time()
     llm = bench_engine(a.model, kv_config(a), max_len=max(a.lengths) + 512, gpu_mem=a.gpu_mem, eager=a.tiny,
-                       batched_tokens=a.batched_tokens)
+                       batched_tokens=a.batched_tokens, async_scheduling=False if a.no_async_scheduling else None)
     res: dict = {"phase": phase, "engine_start_s": round(time.time() - t0, 1),
                  "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
                  "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)}
@@ -81,7 +82,8 @@ def run_phase(phase: str, a) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group().worker
-    res["async_loads"] = worker.async_loads is not None
+    res["async_loads"] = bool(planner.asynchronous)  # every hit asynchronously (else layer-wise, budgeted)
+    res["sync_load_budget"] = planner.sync_budget if planner.can_load_async else None
     res["probe"] = {"bytes": worker.probe[0], "seconds": round(worker.probe[1], 4)}
     prompts = {n: prompt(n, n, vocab) for n in a.lengths}
     if phase == "store":
@@ -173,6 +175,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tutti-extra", default="{}", help="more kv_connector_extra_config keys, as JSON")
     ap.add_argument("--timeout", type=int, default=280)
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="vLLM's synchronous scheduler: tutti's async_loads auto then loads hits layer-wise, "
+                         "overlapped with the suffix's compute (the mode where a hit can beat recompute)")
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
     if a.phase:
@@ -187,7 +192,8 @@ def main() -> None:
     else:
         a.model = make_model(os.path.join(a.out, "model"), False, a.geometry)
     shutil.rmtree(a.root, ignore_errors=True)
-    out: dict = {"geometry": a.geometry, "lengths": a.lengths, "batched_tokens": a.batched_tokens, "phases": {}}
+    out: dict = {"geometry": a.geometry, "lengths": a.lengths, "batched_tokens": a.batched_tokens,
+                 "async_scheduling": not a.no_async_scheduling, "phases": {}}
     for phase in ("store", "hit"):
         if phase == "hit":
             out["dropped_caches"] = drop_caches()
@@ -195,7 +201,8 @@ def main() -> None:
                "--capacity", a.capacity, "--lengths", ",".join(map(str, a.lengths)),
                "--chunk-tokens", str(a.chunk_tokens), "--batched-tokens", str(a.batched_tokens),
                "--gpu-mem", str(a.gpu_mem), "--policies", a.policies, "--repeats", str(a.repeats),
-               "--tutti-extra", a.tutti_extra] + (["--tiny"] if a.tiny else [])
+               "--tutti-extra", a.tutti_extra] + (["--tiny"] if a.tiny else []) + \
+            (["--no-async-scheduling"] if a.no_async_scheduling else [])
         t = time.perf_counter()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)

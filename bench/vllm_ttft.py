@@ -136,7 +136,7 @@ def count_syncs(fn):
 
 def bench_engine(model: str, kvt: dict | None, *, max_len: int, gpu_mem: float, eager: bool,
                  kernel_config: bool = True, compilation_config: dict | None = None,
-                 batched_tokens: int | None = None):
+                 batched_tokens: int | None = None, async_scheduling: bool | None = None):
     """A vllm.LLM for the benchmarks through the demo's make_llm (one harness): vLLM's default mode
     (torch.compile + CUDA graphs) unless `eager`; on the CPU build a smoke-run engine. The step's
     token budget is the whole prompt unless `batched_tokens` says otherwise."""
@@ -147,6 +147,8 @@ def bench_engine(model: str, kvt: dict | None, *, max_len: int, gpu_mem: float, 
               enforce_eager=bool(eager), block_size=16)
     if compilation_config and not eager:
         kw["compilation_config"] = compilation_config
+    if async_scheduling is not None:  # None: vLLM's default (asynchronous where it can)
+        kw["async_scheduling"] = async_scheduling
     if not on_cuda():  # the CPU build (a smoke run)
         kw.update(block_size=32, dtype="float32", enforce_eager=True)
         kw.pop("gpu_memory_utilization")
