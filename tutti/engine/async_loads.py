@@ -99,8 +99,10 @@ class AsyncLoads:
             lp.finish()
             blocks = lp.take_failed_blocks()  # resolves the device verdicts (this thread waits, nobody else)
             if self.stream is not None:
+                landed = torch.cuda.Event(blocking=True)  # this thread sleeps on it instead of spinning
+                landed.record(self.stream)
                 with gil_free_wait():
-                    self.stream.synchronize()  # the scatters landed before vLLM is told
+                    landed.synchronize()  # the scatters landed before vLLM is told
         return lp.take_failed_keys(), blocks
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ host and fail their chunk at once (nothing is scattered from it).
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -264,7 +265,9 @@ class LoadPipeline:
                 with torch.cuda.stream(self.stream):
                     self._bad_host = self._verdicts(self._bad.numel()).view(self._bad.shape)
                     self._bad_host.copy_(self._bad, non_blocking=True)
-                    self._verified = torch.cuda.Event()
+                    # read by resolve(): a tutti thread (asynchronous loads) sleeps on it, the step's
+                    # own thread spins (its wait is on the way to the next step)
+                    self._verified = torch.cuda.Event(blocking=threading.current_thread().name.startswith("tutti-"))
                     self._verified.record(self.stream)
             else:
                 self._bad_host = self._bad

@@ -147,7 +147,7 @@ class StorePipeline:
                 host.copy_(dev, non_blocking=True)
             sums_host = self.arena.sums_view(first, n)  # pinned at start-up, held with the regions
             sums_host.copy_(sums.view(-1), non_blocking=True)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(blocking=True)  # the writer thread sleeps on it instead of spinning
             ready.record(self.stream)
         return _Run(first, group, sums_host, ready)
 
@@ -296,7 +296,7 @@ class StorePipeline:
                 for lo, hi in self._written_ranges(written[i]):
                     dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
             if ctx.cuda:
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(blocking=True)  # waited on by this (writer) thread: sleep, not spin
                 done.record(self._copy_stream)
         if ctx.cuda:
             with gil_free_wait():
