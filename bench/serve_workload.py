@@ -8,7 +8,10 @@ writes one table (JSON and Markdown) with every figure as a ratio to the no-conn
 same run. `--sequential` starts each server only after the last one stopped.
 
 Cases: `none` (no connector), `offloading` (vLLM's OffloadingConnector, a CPU tier of
-`--capacity`), `tutti_shm` (a /dev/shm root of the same capacity), `tutti_disk` (a disk root).
+`--capacity`), `tutti_shm` (a /dev/shm root of the same capacity), `tutti_disk` (a disk root),
+and variants of `tutti_shm` that take one part away, each on a root of its own, to tell where a
+cost comes from (VARIANTS: `tutti_shm_stores_only`, `tutti_shm_noverify`, `tutti_shm_file`; each
+pins its own capacity, so run them with `--sequential` or a smaller `--capacity`).
 Workloads: `prefix_repetition` (vLLM's dataset: prefixes repeated in shuffled order) and
 `multi_turn` (conversations whose every turn repeats the whole last turn and adds to it; turns
 issued in order, all conversations' first turns, then their second...).
@@ -110,14 +113,30 @@ def multi_turn_dataset(path: str, a) -> int:
     return n
 
 
+# tutti_shm with one part taken away (its config keys on top of --tutti-extra)
+VARIANTS: dict[str, dict] = {
+    "tutti_shm_stores_only": {"hit_policy": "never"},  # stores every chunk, loads nothing
+    "tutti_shm_noverify": {"verify_checksums": False},  # loads without the checksum launches
+    "tutti_shm_file": {"mapped_loads": False},  # loads and stores through the file path
+}
+
+
+def root_of(case: str, a) -> str:
+    if case == "tutti_disk":
+        return a.disk_root
+    return a.shm_root if case == "tutti_shm" else f"{a.shm_root}-{case[len('tutti_shm_'):]}"
+
+
 def connector(case: str, a) -> dict | None:
     if case == "none":
         return None
     if case == "offloading":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": a.capacity_bytes}}
-    root = a.shm_root if case == "tutti_shm" else a.disk_root
-    extra = {"root": root, "capacity_bytes": a.capacity_bytes, "chunk_tokens": a.chunk_tokens, **json.loads(a.tutti_extra)}
+    if case not in ("tutti_shm", "tutti_disk") and case not in VARIANTS:
+        raise SystemExit(f"--cases: {case!r}: expected none, offloading, tutti_shm, tutti_disk or one of {sorted(VARIANTS)}")
+    extra = {"root": root_of(case, a), "capacity_bytes": a.capacity_bytes, "chunk_tokens": a.chunk_tokens,
+             **json.loads(a.tutti_extra), **VARIANTS.get(case, {})}
     return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
@@ -221,7 +240,7 @@ class Server:
     def __init__(self, case: str, a, model: str, port: int) -> None:
         self.case, self.port = case, port
         if case.startswith("tutti"):
-            shutil.rmtree(a.shm_root if case == "tutti_shm" else a.disk_root, ignore_errors=True)
+            shutil.rmtree(root_of(case, a), ignore_errors=True)
         self.log_path = os.path.join(a.out, f"server_{case}.log")
         self.t0 = time.time()
         with open(self.log_path, "w") as log:

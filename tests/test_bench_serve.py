@@ -29,3 +29,13 @@ def test_metrics_are_summed_over_label_sets():
     m = sw.parse_metrics(text)
     assert m["vllm:tutti_hit_tokens"] == 320 and m["vllm:prefix_cache_hits"] == 32
     assert m["vllm:tutti_skipped_stores"] == 3 and m["vllm:external_prefix_cache_hits"] == 0
+
+
+def test_variants_get_roots_of_their_own_and_their_keys():
+    class A:
+        shm_root, disk_root, capacity_bytes, chunk_tokens, tutti_extra = "/dev/shm/t", "/tmp/d", 1 << 30, 256, "{}"
+
+    roots = {c: sw.connector(c, A)["kv_connector_extra_config"]["root"] for c in ["tutti_shm", "tutti_disk", *sw.VARIANTS]}
+    assert len(set(roots.values())) == len(roots)  # servers started together never share a root
+    assert sw.connector("tutti_shm_stores_only", A)["kv_connector_extra_config"]["hit_policy"] == "never"
+    assert sw.connector("none", A) is None
