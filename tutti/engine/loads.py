@@ -167,8 +167,10 @@ class LoadPipeline:
                 full = [r for r in good if self._loads[idx[r]].skip_blocks == 0]
                 if full:
                     rows = data if len(full) == len(idx) else data.index_select(0, ctx.index(full))
+                    # [layers, rows, seg]: one layer (the file path) as a contiguous [1, rows, seg]
+                    src = rows[:, 0].unsqueeze(0) if len(layers) == 1 else rows.transpose(0, 1)
                     ctx.scatter([ctx.caches[layer] for layer in layers], [self._loads[idx[r]].block_ids for r in full],
-                                rows.transpose(0, 1))
+                                src)
             # one group: only rows with blocks to skip are left; hybrid models: every row, layer by
             # layer (a layer's group decides its blocks and what its window skips)
             rest = good if ctx.num_groups > 1 else [r for r in good if self._loads[idx[r]].skip_blocks]
