@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
-from tutti.plugins import resolve_name
+from tutti.plugins import PolicyRegistry
 
 
 @dataclass(frozen=True)
@@ -70,29 +70,8 @@ class SeenTwice:
         return False
 
 
-_REGISTRY: dict[str, Callable[[], AdmissionPolicy]] = {"all": AdmitAll, "seen_twice": SeenTwice}
-
-
-def register_admission(name: str, factory: Callable[[], AdmissionPolicy]) -> None:
-    """Make `name` choosable as `store_admission` (a class or a no-argument factory)."""
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"register_admission: name={name!r}: expected a non-empty name without ':'")
-    _REGISTRY[name] = factory
-
-
-def available_admissions() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def get_admission(spec) -> AdmissionPolicy:
-    """A new policy object from `store_admission` (an object with `admit` passes through)."""
-    if callable(getattr(spec, "admit", None)) and not isinstance(spec, type):
-        return spec
-    factory, _ = resolve_name(spec, "store_admission", _REGISTRY)
-    if not callable(factory):
-        raise ValueError(f"store_admission={spec!r}: not a class or factory of a policy")
-    pol = factory() if isinstance(factory, type) or not callable(getattr(factory, "admit", None)) else factory
-    if not callable(getattr(pol, "admit", None)):
-        raise ValueError(f"store_admission={spec!r}: its policy has no admit(candidate) method "
-                         "(tutti.engine.admission says what a policy implements)")
-    return pol
+_REGISTRY = PolicyRegistry("store_admission", "register_admission", {"all": AdmitAll, "seen_twice": SeenTwice},
+                           ("admit",), doc="tutti.engine.admission")
+register_admission = _REGISTRY.register  # (name, class or no-argument factory): choosable as store_admission
+available_admissions = _REGISTRY.names
+get_admission = _REGISTRY.get  # a new policy from a name or module:attr; an object with admit passes through

@@ -18,9 +18,9 @@ to `register_eviction`, or "package.module:attr" (a class or a no-argument facto
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterable, Protocol
+from typing import Iterable, Protocol
 
-from tutti.plugins import resolve_name
+from tutti.plugins import PolicyRegistry
 
 
 class EvictionPolicy(Protocol):
@@ -63,28 +63,8 @@ class FIFO(LRU):
         pass
 
 
-_REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRU, "fifo": FIFO}
-
-
-def register_eviction(name: str, factory: Callable[[], EvictionPolicy]) -> None:
-    """Make `name` choosable as `eviction_policy` (a class or a no-argument factory)."""
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"register_eviction: name={name!r}: expected a non-empty name without ':'")
-    _REGISTRY[name] = factory
-
-
-def available_evictions() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def get_eviction(spec) -> EvictionPolicy:
-    """A new policy object from `eviction_policy` (each index needs its own order)."""
-    factory, _ = resolve_name(spec, "eviction_policy", _REGISTRY)
-    if not callable(factory):
-        raise ValueError(f"eviction_policy={spec!r}: not a class or factory of a policy")
-    pol = factory()
-    missing = [m for m in ("inserted", "touched", "removed", "order") if not callable(getattr(pol, m, None))]
-    if missing:
-        raise ValueError(f"eviction_policy={spec!r}: its policy has no {', '.join(missing)} method(s) "
-                         "(tutti.engine.eviction says what a policy implements)")
-    return pol
+_REGISTRY = PolicyRegistry("eviction_policy", "register_eviction", {"lru": LRU, "fifo": FIFO},
+                           ("inserted", "touched", "removed", "order"), fresh=True, doc="tutti.engine.eviction")
+register_eviction = _REGISTRY.register  # (name, class or no-argument factory): choosable as eviction_policy
+available_evictions = _REGISTRY.names
+get_eviction = _REGISTRY.get  # a new policy object each time: each index needs its own order

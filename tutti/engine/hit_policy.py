@@ -23,9 +23,9 @@ import collections
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
-from tutti.plugins import resolve_name
+from tutti.plugins import PolicyRegistry
 
 
 @dataclass(frozen=True)
@@ -256,33 +256,11 @@ class RateMeter:
         return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else None
 
 
-_REGISTRY: dict[str, Callable[[], HitPolicy]] = {"auto": CostModel, "always": Always, "never": Never}
-
-
-def register_policy(name: str, factory: Callable[[], HitPolicy]) -> None:
-    """Make `name` choosable as `hit_policy` (a class or a no-argument factory)."""
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"register_policy: name={name!r}: expected a non-empty name without ':'")
-    _REGISTRY[name] = factory
-
-
-def available_policies() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def get_policy(spec) -> HitPolicy:
-    """A policy from `hit_policy`: a registered name, "package.module:attr", or an object with
-    `decide` (passed through)."""
-    if hasattr(spec, "decide"):
-        return spec
-    obj, registered = resolve_name(spec, "hit_policy", _REGISTRY)
-    if registered:
-        return obj()
-    pol = obj if hasattr(obj, "decide") and not isinstance(obj, type) else obj()
-    if not callable(getattr(pol, "decide", None)):
-        raise ValueError(f"hit_policy={spec!r}: {spec.partition(':')[2]!r} gives no object with a decide(query, "
-                         "rates) method")
-    return pol
+_REGISTRY = PolicyRegistry("hit_policy", "register_policy", {"auto": CostModel, "always": Always, "never": Never},
+                           ("decide",), doc="tutti.engine.hit_policy")
+register_policy = _REGISTRY.register  # (name, class or no-argument factory): choosable as hit_policy
+available_policies = _REGISTRY.names
+get_policy = _REGISTRY.get  # a registered name, "package.module:attr", or an object with decide (passed through)
 
 
 def chunk_floor(tokens: int, q: HitQuery) -> int:
