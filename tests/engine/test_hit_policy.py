@@ -49,6 +49,26 @@ def test_async_slow_storage_still_loads_under_a_prefill_backlog():
     assert CostModel().decide(q(8192, 8320), queued) == 0
 
 
+def test_a_running_batch_makes_a_slow_read_worth_it():
+    """Idle, a 1 GB/s disk's 4k read (0.54 s, plus 1.5 steps of 0.1 s) loses to 0.16 s of
+    prefill. With 7 requests decoding beside it, each would wait those 0.16 s of prefill too, so
+    the read (the batch does not wait for it) wins; behind a long queue of other reads it loses
+    again."""
+    qq = q(4096, 4096 + 128)
+    idle = Rates(1.0e9, PREFILL, step_s=0.1)
+    busy = Rates(1.0e9, PREFILL, step_s=0.1, batch_requests=7)
+    assert CostModel().decide(qq, idle) == 0
+    assert CostModel().decide(qq, busy) == 4096
+    assert CostModel.cost(qq, busy, 4096) < CostModel.cost(qq, busy, 0)
+    assert CostModel.time(qq, busy, 4096) > CostModel.time(qq, busy, 0)  # the request itself waits longer
+    queued = Rates(1.0e9, PREFILL, step_s=0.1, batch_requests=7, queued_load_bytes=int(4e9))
+    assert CostModel().decide(qq, queued) == 0
+    # layer-wise, the batch waits for the step's reads too: a read slower than the step's compute
+    # is not pushed onto the batch
+    lw = q(4096, 4096 + 128, asynchronous=False)
+    assert CostModel.shared_time(lw, busy, 4096) > CostModel.shared_time(lw, busy, 0) > 0
+
+
 def test_layerwise_overlaps_the_load_with_the_suffixs_compute():
     """In the step (layer-wise), loading the front m tokens while the step computes the rest costs
     max(load(m), compute(rest)): from a 1.7 GB/s disk an 8k hit beats both load-all and compute-all."""
@@ -72,12 +92,13 @@ def test_never_worse_than_either_end_in_its_own_model():
                       rng.choice([512, 2048, 8192]), rng.random() < 0.5,
                       rng.choice([None, None, rng.randrange(0, hit + chunk)]))
         rates = Rates(10 ** rng.uniform(7, 11), 10 ** rng.uniform(3, 5), rng.randrange(0, 1 << 32),
-                      rng.randrange(0, 100000))
+                      rng.randrange(0, 100000), step_s=rng.choice([0.0, 0.01, 0.2]),
+                      batch_requests=rng.choice([0, 0, 3, 31]))
         m = CostModel().decide(qq, rates)
         allowed = [0] + candidates(qq)
         assert m in allowed
-        ends = [CostModel.time(qq, rates, 0)] + ([CostModel.time(qq, rates, allowed[-1])] if len(allowed) > 1 else [])
-        assert CostModel.time(qq, rates, m) <= min(ends) * (1 + 1e-9)
+        ends = [CostModel.cost(qq, rates, 0)] + ([CostModel.cost(qq, rates, allowed[-1])] if len(allowed) > 1 else [])
+        assert CostModel.cost(qq, rates, m) <= min(ends) * (1 + 1e-9)
 
 
 def test_the_requests_cap_is_honoured_on_a_chunk_boundary():
@@ -281,3 +302,22 @@ def test_the_auto_budget_is_what_the_read_rate_moves_in_one_full_step():
     for t in (0.0, 0.3, 0.6):
         p.meter.on_step(8192, now=t)  # 27k tokens/s: a full step of 8192 tokens takes 0.3 s
     assert p.sync_budget_bytes() == pytest.approx(0.3e9, rel=1e-6)
+
+
+def test_the_planner_hands_the_policy_its_running_batch():
+    seen = []
+
+    class Spy:
+        def decide(self, query, rates):
+            seen.append(rates.batch_requests)
+            return query.hit_tokens
+
+    p = planner(Spy())
+    toks = list(range(1, 200))
+    store_prefix(p, toks)
+    for i in range(3):
+        p.match(f"d{i}", [9000 + i] * 40, 0)
+        p.on_alloc(f"d{i}", [100 + 3 * i, 101 + 3 * i, 102 + 3 * i], 0)
+    p.build_step({f"d{i}": 40 for i in range(3)}, {f"d{i}": 0 for i in range(3)})
+    assert p.match("r", toks + [1], 0) == 192
+    assert seen[-1] == 3

@@ -52,6 +52,7 @@ class Rates:
     load_age_s: float | None = None  # seconds since a load last measured the read rate
     load_overhead_s: float = 0.0  # a load's fixed cost beside its bytes (from loads of different sizes)
     step_s: float = 0.0  # a step's duration: an asynchronous hit is scheduled about 1.5 steps after its load
+    batch_requests: int = 0  # other requests in the running batch: every step this prompt's compute lengthens delays them
 
 
 class HitPolicy(Protocol):
@@ -77,8 +78,13 @@ class Never:
 
 
 class CostModel:
-    """The `m` of chunk boundaries 0 .. hit that minimises the request's modelled time to its
-    first token; ties go to loading more (it frees the GPU for the batch).
+    """The `m` of chunk boundaries 0 .. hit that minimises the modelled latency it adds: the
+    request's own time to its first token, plus what its compute adds to the steps it shares,
+    once for each of the k other requests of the running batch (each waits for those steps):
+        cost(m) = t(m) + k * g(m)
+    Under a closed-loop client the summed latency is what sets throughput (Little's law): a
+    hit that waits outside the batch for a slower read still wins when k requests would otherwise
+    wait for its prefill. Ties go to loading more (it frees the GPU for the batch).
 
     Asynchronous loads (the request waits outside the batch): its loads queue behind the loads
     already planned, its compute behind the prompts already waiting, and the two queues drain
@@ -89,9 +95,12 @@ class CostModel:
         t(0) = (P + n) / R_prefill
     Under load (P large) a slow disk still wins: it adds prefill capacity beside the GPU.
 
+    and g(m) = (n - m) / R_prefill: the batch does not wait for an asynchronous load.
+
     Layer-wise loads (in the step, overlapped with the suffix's compute; only the first step's
     suffix tokens overlap, so the model follows the step budget S):
         t(m) = max(o + (Q + m b) / R_load, c1 / R_prefill) + (n - m - c1) / R_prefill,  c1 = min(S, n - m)
+    and g(m) = t(m) less the prefill backlog's wait: the whole step waits for the layers it loads.
 
     Until the read rate is measured it loads a hit whole when no other load is queued (that is
     how the rate gets measured) and recomputes otherwise, so a burst of first hits does not pile
@@ -99,7 +108,7 @@ class CostModel:
     said "recompute" for `probe_after_s` is measured again with one hit (when no load is queued):
     the storage may have become faster, or the writes that slowed it may have stopped. Every
     candidate is evaluated, so it never chooses worse than "load all" or "recompute all" in its
-    own model.
+    own model (with k = 0 the model is the request's time alone).
     """
 
     name = "auto"
@@ -115,15 +124,33 @@ class CostModel:
             return q.hit_tokens if rates.queued_load_bytes == 0 else 0
         if not rp or rp <= 0:
             return q.hit_tokens
-        best_m, best_t = 0, self.time(q, rates, 0)
+        best_m, best_t = 0, self.cost(q, rates, 0)
         for m in candidates(q):
-            t = self.time(q, rates, m)
+            t = self.cost(q, rates, m)
             if t <= best_t * (1 + 1e-9):
                 best_m, best_t = m, t
         if best_m == 0 and rates.queued_load_bytes == 0 and rates.load_age_s is not None \
                 and rates.load_age_s > self.probe_after_s:
             return q.hit_tokens  # a probe: the rate is old
         return best_m
+
+    @classmethod
+    def cost(cls, q: HitQuery, rates: Rates, m: int) -> float:
+        """The modelled latency loading `m` tokens adds, the request's and its batch's."""
+        return cls.time(q, rates, m) + max(0, rates.batch_requests) * cls.shared_time(q, rates, m)
+
+    @staticmethod
+    def shared_time(q: HitQuery, rates: Rates, m: int) -> float:
+        """The seconds the request's prefill (and, layer-wise, its loads) adds to shared steps."""
+        rl, rp = float(rates.load_bytes_per_s), float(rates.prefill_tokens_per_s)
+        n = q.prompt_tokens
+        if m <= 0:
+            return n / rp
+        if q.asynchronous:
+            return (n - m) / rp
+        load = rates.load_overhead_s + (rates.queued_load_bytes + m * q.bytes_per_token) / rl
+        c1 = min(max(q.step_tokens, 1), n - m)
+        return max(load, c1 / rp) + (n - m - c1) / rp
 
     @staticmethod
     def time(q: HitQuery, rates: Rates, m: int) -> float:

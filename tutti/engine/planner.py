@@ -152,6 +152,7 @@ class Planner:
         self._unsent_load_bytes = 0
         self._step_load_bytes: dict[int, int] = {}
         self._backlog = 0  # prompt tokens not computed, as of the last step (plus lookups since)
+        self._batch = 0  # requests of the last step: a prompt computed now lengthens their steps
 
     # -- lookups --------------------------------------------------------------------------
     def _request(self, req_id: str, tokens: Sequence[int], identity: Identity | None = None) -> _Request:
@@ -247,7 +248,7 @@ class Planner:
         rates = Rates(load_rate, self.meter.prefill_rate,
                       queued_load_bytes=self._unsent_load_bytes + sum(self._step_load_bytes.values()),
                       prefill_backlog_tokens=max(0, self._backlog), load_age_s=self.meter.load_age(),
-                      load_overhead_s=overhead, step_s=self.meter.step_time)
+                      load_overhead_s=overhead, step_s=self.meter.step_time, batch_requests=self._batch)
         try:
             want = self.hit_policy.decide(q, rates)
         except Exception:  # noqa: BLE001 - a research policy's bug costs its hits, never the step
@@ -405,6 +406,7 @@ class Planner:
         top of `computed_before[req]`."""
         plan = StepPlan(step=next(self._steps))
         self.meter.on_scheduled(plan.step, sum(scheduled.values()))
+        self._batch = len(scheduled)
         self._step_sync_bytes = 0  # the next step's lookups start a new budget
         pins: list[bytes] = []
         foreign_keys: list[bytes] = []

@@ -14,6 +14,7 @@ import weakref
 import numpy as np
 import torch
 
+from tutti.io.cudahost import host_register, host_unregister
 from tutti.io.queue import ALIGN
 
 _HUGE_PAGE = 2 << 20
@@ -69,12 +70,11 @@ def _pin(owner: np.ndarray, addr: int, nbytes: int) -> bool:
     """cudaHostRegister the range and unregister it when `owner` (the memory's holder) dies."""
     if not torch.cuda.is_available():
         return False
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(addr, nbytes, 0)
-    if int(err) != 0:
+    err = host_register(addr, nbytes, 0)
+    if err != 0:
         raise RuntimeError(f"aligned_buffer: cudaHostRegister of {nbytes} B at {addr:#x} failed with error {int(err)}")
     # numpy clears weakrefs before it drops its buffer export, so this runs before the unmap.
-    weakref.finalize(owner, cudart.cudaHostUnregister, addr)
+    weakref.finalize(owner, host_unregister, addr)
     return True
 
 

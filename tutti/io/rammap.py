@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from tutti.io.cudahost import host_register, host_unregister
+
 log = logging.getLogger("tutti.io")
 
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -55,14 +57,12 @@ def register_host(addr: int, nbytes: int, read_only: bool = True) -> Callable[[]
     the driver refuses (the copy then goes through CUDA's own staging: slower, still correct)."""
     if not torch.cuda.is_available():
         return None
-    cudart = torch.cuda.cudart()
-    err = int(cudart.cudaHostRegister(addr, nbytes, _REGISTER_READ_ONLY if read_only else 0))
+    err = host_register(addr, nbytes, _REGISTER_READ_ONLY if read_only else 0)  # a refusal leaves no error
     if err != 0:
-        torch.cuda.synchronize()  # clear nothing pending; the error is not sticky
         log.warning("tutti: cudaHostRegister of a %d B slab mapping failed (error %d); loads from it are "
                     "copied through CUDA's staging instead of one DMA", nbytes, err)
         return None
-    return lambda: cudart.cudaHostUnregister(addr)
+    return lambda: host_unregister(addr)
 
 
 class SlabMaps:
