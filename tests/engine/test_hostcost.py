@@ -82,3 +82,20 @@ def test_gil_free_waits_count_on_tutti_threads_only():
     t.start()
     t.join()
     assert 0.05 <= WAITS.take() < 0.5
+
+
+@pytest.mark.skipif(not hasattr(time, "pthread_getcpuclockid"), reason="no per-thread CPU clocks")
+def test_thread_cpu_is_read_at_most_every_interval_and_loses_nothing():
+    stop = threading.Event()
+    busy = threading.Thread(target=_spin, args=(stop,), name="tutti-writer-interval")
+    clock = ThreadCPU(lambda n: n.endswith("-interval"), interval_s=10.0)
+    busy.start()
+    try:
+        assert clock.take(now=100.0) >= 0.0  # the first reading
+        time.sleep(0.2)
+        assert clock.take(now=105.0) == 0.0  # within the interval: not read (no thread walk)
+        later = clock.take(now=110.5)
+        assert later > 0.02  # the busy time of both periods arrives with the next reading
+    finally:
+        stop.set()
+        busy.join()
