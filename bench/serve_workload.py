@@ -39,6 +39,7 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]
+from gil_profile import GilRecorder, find_py_spy, tutti_share  # noqa: E402
 from vllm_ttft import make_model  # noqa: E402
 
 # counters scraped from /metrics (each summed over its label sets), before and after a run
@@ -277,8 +278,15 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
         before = scrape(srv.port)
         rdir = os.path.join(a.out, f"bench_{srv.case}")
         shutil.rmtree(rdir, ignore_errors=True)
-        b = subprocess.run(bench_cmd(a, model, rdir, dataset, srv.port), capture_output=True, text=True,
-                           env=server_env(a), timeout=a.bench_timeout)
+        rec = None
+        if a.py_spy_bin:  # who holds the GIL in the server's processes while the client runs
+            rec = GilRecorder.start(a.py_spy_bin, srv.proc.pid, os.path.join(a.out, f"gil_{srv.case}.txt"))
+        try:
+            b = subprocess.run(bench_cmd(a, model, rdir, dataset, srv.port), capture_output=True, text=True,
+                               env=server_env(a), timeout=a.bench_timeout)
+        finally:
+            if rec is not None:
+                res["gil"] = rec.stop()
         if b.returncode != 0:
             raise RuntimeError(f"vllm bench serve exited {b.returncode}: {(b.stderr or b.stdout)[-2000:]}")
         time.sleep(2)  # the last steps' counters reach /metrics
@@ -297,21 +305,23 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["case"] == "none" and "error" not in r), None)
     rows = ["| case | req/s | x none | TTFT mean / p50 / p99 (ms) | TPOT mean / p99 (ms) | hit tokens (connector) | "
-            "vLLM prefix-cache hits | stores skipped | tutti host s: worker hooks / threads' CPU (GIL-free waits) / scheduler hooks |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "vLLM prefix-cache hits | stores skipped | tutti host s: worker hooks / threads' CPU (their waits, wall) / "
+            "scheduler hooks | GIL held by tutti's threads |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | |")
+            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | | |")
             continue
         m = r["metrics"]
         ratio = f"{r['request_throughput'] / base['request_throughput']:.2f}" if base else "-"
         hit = m["vllm:tutti_hit_tokens"] or m["vllm:external_prefix_cache_hits"]
+        gil = f"{100 * tutti_share(r['gil']):.1f}%" if "gil" in r else "-"
         rows.append(f"| {r['case']} | {r['request_throughput']:.2f} | {ratio} | {r['mean_ttft_ms']:.0f} / "
                     f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
                     f"{hit:.0f} | {m['vllm:prefix_cache_hits']:.0f} | "
                     f"{m['vllm:tutti_skipped_stores']:.0f} | {m['vllm:tutti_worker_hook_seconds']:.2f} / "
                     f"{m['vllm:tutti_worker_thread_cpu_seconds']:.2f} ({m['vllm:tutti_worker_thread_wait_seconds']:.2f}) / "
-                    f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} |")
+                    f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} | {gil} |")
     return "\n".join(rows)
 
 
@@ -345,7 +355,15 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.2,
                     help="each server's share (vLLM refuses to start when less is free); the KV cache is "
                          "--kv-cache-bytes whatever this is")
+    ap.add_argument("--py-spy", default="", help="sample who holds the GIL in each server while its client runs "
+                    "(py-spy --gil; 'auto' finds it on PATH or in .gpu_pytest/bin); off by default")
     a = ap.parse_args()
+    a.py_spy_bin = None
+    if a.py_spy:
+        a.py_spy_bin = find_py_spy(a.py_spy)
+        if a.py_spy_bin is None:
+            raise SystemExit(f"--py-spy {a.py_spy!r}: no py-spy executable found; pip install py-spy, or "
+                             "run scripts/gpu_pytest_bundle.sh for the GPU machine")
     if a.tiny:
         for k, v in dict(prefix_len=384, suffix_len=32, num_prefixes=6, repeats=2, output_len=4, conversations=3,
                          turns=2, turn_len=64, concurrency=2, capacity="256MiB", chunk_tokens=64).items():
