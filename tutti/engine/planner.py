@@ -421,7 +421,10 @@ class Planner:
                 foreign_keys.extend(ld.key for ld in r.loads if ld.source is not None)
                 r.loads = []
             done_tokens = computed_before.get(req_id, 0) + n_sched
-            r.computed = max(r.computed, done_tokens)
+            if done_tokens > r.computed:
+                r.computed = done_tokens
+            if r.next_store_chunk >= len(r.keys) and not self.state_groups:
+                continue  # every chunk of its tokens was planned: a decoding request has nothing to store
             limit = min(done_tokens, len(r.tokens)) // self.chunk_tokens
             limit = min(limit, len(r.keys), min(len(g) for g in r.block_ids) // self.blocks_per_chunk)
             for c in range(r.next_store_chunk, limit):

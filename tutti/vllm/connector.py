@@ -119,12 +119,16 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         self._engine_id = str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")
         self._hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0) or self._geom.block_size)
         self._layer_index: dict[str, int] = {}
+        self._layer_work = False  # this step has layer-wise loads: the per-layer hooks have work
         self._requests: dict[str, Any] = {}  # scheduler side, with store_decode: live Request objects
         self._events: KVEventTracker | None = None
         self._publisher: EventPublisher | None = None
         # host time of tutti's hooks, and CPU of its threads (tutti.engine.hostcost), as metrics
         self._hooks = HookClock()
-        self._threads = ThreadCPU(scheduler_threads if role == KVConnectorRole.SCHEDULER else worker_threads)
+        # host costs go out at most every quarter second (cumulative counters: nothing is lost)
+        self._threads = ThreadCPU(scheduler_threads if role == KVConnectorRole.SCHEDULER else worker_threads,
+                                  interval_s=0.0)
+        self._host_costs_at = float("-inf")
         if role == KVConnectorRole.SCHEDULER:
             # chunks are announced where events go anywhere: then this writer records its chunks'
             # extras and announces the other writers' (any replica can load them)
@@ -242,8 +246,12 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         # Start here, not in start_load_kv: vLLM 0.32 calls that one after the forward pass when
         # the step has no synchronous loads, and loads must be under way before layer 0.
         if self._worker is not None and isinstance(connector_metadata, TuttiConnectorMetadata):
-            layerwise = compat.step_runs_layer_hooks(compat.current_forward_context())
-            self._worker.start_step(connector_metadata.plan, layerwise=layerwise)
+            plan = connector_metadata.plan
+            # whether this step's forward runs the per-layer hooks matters only to its loads and
+            # stores (a quiet decode step does not ask the forward context)
+            layerwise = bool(plan.loads or plan.stores) and compat.step_runs_layer_hooks(compat.current_forward_context())
+            self._worker.start_step(plan, layerwise=layerwise)
+            self._layer_work = bool(plan.loads) and layerwise
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # the step was started in bind_connector_metadata
@@ -254,15 +262,23 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             idx = self._layer_index[layer_name] = len(self._layer_index)
         return idx
 
-    @timed("_hooks")
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._worker is not None:
-            self._worker.wait_layer(self._layer(layer_name))
+        # called for every layer of every piecewise step: a step without layer-wise loads returns
+        # at once (its stores are gathered after the forward, in wait_for_save)
+        if self._layer_work:
+            self._wait_layer(layer_name)
 
     @timed("_hooks")
+    def _wait_layer(self, layer_name: str) -> None:
+        self._worker.wait_layer(self._layer(layer_name))
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        if self._worker is not None:
-            self._worker.save_layer(self._layer(layer_name))
+        if self._layer_work:
+            self._save_layer(layer_name)
+
+    @timed("_hooks")
+    def _save_layer(self, layer_name: str) -> None:
+        self._worker.save_layer(self._layer(layer_name))
 
     @timed("_hooks")
     def wait_for_save(self) -> None:
@@ -454,15 +470,27 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         """Worker: bytes/seconds moved and stores skipped since the last call. Scheduler (vLLM
         calls its instance every step too): lookups, hits, failed loads, commits, evictions
         and capacity. vLLM aggregates both into one payload (tutti.vllm.stats)."""
+        due = self._host_costs_due()
         if self._worker is not None:
             w = self._worker.take_stats()  # the engine's counter names are the metrics' fields
-            w["worker_hook_seconds"], w["worker_thread_cpu_seconds"] = self._hooks.take(), self._threads.take()
-            w["worker_thread_wait_seconds"] = WAITS.take()
+            if due:
+                w["worker_hook_seconds"], w["worker_thread_cpu_seconds"] = self._hooks.take(), self._threads.take()
+                w["worker_thread_wait_seconds"] = WAITS.take()
             return stats_from(w)
         if self._planner is not None:
             return self._sched_stats.take(self._planner.stats, self._planner.capacity_used_bytes(),
-                                          hook_seconds=self._hooks.take(), thread_cpu_seconds=self._threads.take())
+                                          hook_seconds=self._hooks.take() if due else 0.0,
+                                          thread_cpu_seconds=self._threads.take() if due else 0.0)
         return None
+
+    def _host_costs_due(self, interval_s: float = 0.25) -> bool:
+        """Whether the host-cost counters go out with this step's stats: walking the threads and
+        sending three more counters every step cost more than the step's other stats."""
+        now = time.monotonic()
+        if now - self._host_costs_at < interval_s:
+            return False
+        self._host_costs_at = now
+        return True
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TuttiKVConnectorStats:

@@ -15,6 +15,7 @@ seconds, tokens), counters registered without `_total` (prometheus_client append
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -137,11 +138,10 @@ class TuttiKVConnectorStats(KVConnectorStats):
 
 
 def stats_from(values: Mapping[str, Any]) -> TuttiKVConnectorStats | None:
-    """Stats holding the non-zero counters and every gauge of `values`; None when nothing to say."""
-    data = {k: v for k, v in values.items() if v and BY_FIELD[k].kind == COUNTER}
-    data.update({k: v for k, v in values.items() if BY_FIELD[k].kind == GAUGE})
-    stats = TuttiKVConnectorStats(data=data)
-    return None if stats.is_empty() else stats
+    """Stats holding the non-zero counters and every gauge of `values`; None when nothing to say
+    (most decode steps: vLLM asks every step, so a quiet one builds nothing)."""
+    data = {k: v for k, v in values.items() if v or BY_FIELD[k].kind == GAUGE}
+    return TuttiKVConnectorStats(data=data) if data else None
 
 
 class SchedulerStatsTracker:
@@ -154,19 +154,23 @@ class SchedulerStatsTracker:
 
     # the planner's counters, under the same names as their metrics' fields (METRICS)
 
+    _read = staticmethod(operator.attrgetter(*SCHEDULER_FIELDS))
+
     def __init__(self, capacity_bytes: int) -> None:
-        self._last: dict[str, int] = {}
+        self._last: tuple = (0,) * len(SCHEDULER_FIELDS)
         self._capacity = capacity_bytes
         self._last_used: int | None = None
 
     def take(self, planner_stats: Any, used_bytes: int, *, hook_seconds: float = 0.0,
              thread_cpu_seconds: float = 0.0) -> TuttiKVConnectorStats | None:
+        now = self._read(planner_stats)  # one C call for every field
+        if now == self._last and used_bytes == self._last_used and not hook_seconds and not thread_cpu_seconds:
+            return None  # a quiet step: nothing to send
         values: dict[str, Any] = {"scheduler_hook_seconds": hook_seconds,
                                   "scheduler_thread_cpu_seconds": thread_cpu_seconds}
-        for field in SCHEDULER_FIELDS:
-            now = getattr(planner_stats, field)
-            values[field] = now - self._last.get(field, 0)
-            self._last[field] = now
+        for field, new, old in zip(SCHEDULER_FIELDS, now, self._last):
+            values[field] = new - old
+        self._last = now
         if used_bytes != self._last_used:
             values["capacity_used_bytes"] = used_bytes
             if self._last_used is None:

@@ -1,0 +1,103 @@
+"""tutti's host time per step, hook by hook, on a real vLLM engine (the CPU build is enough).
+
+Why: under vLLM's asynchronous scheduling the engine's thread prepares step t+1 while the GPU
+runs step t; every microsecond tutti's hooks take there is margin the host no longer has, and on
+a fast GPU's decode steps (5-6 ms on an H200) that margin is small. This times every
+`TuttiConnectorV1` hook that vLLM calls (both halves, in one process), over decode-heavy steps
+with nothing to load or store, and prints microseconds per step: the floor tutti costs a server.
+
+    python3 bench/hook_cost.py                 # the best of 3 repeats, 300 steps each
+    python3 bench/hook_cost.py --json out.json
+
+Compare two commits in one sitting (the machine's speed drifts between sittings): run it at
+each, alternating, and compare the totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(os.path.dirname(HERE), "tests", "vllm")]
+
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
+         "request_finished", "take_events", "get_kv_connector_stats", "bind_connector_metadata", "start_load_kv",
+         "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished", "get_transfer_results",
+         "get_block_ids_with_load_errors", "build_connector_worker_meta", "clear_connector_metadata")
+
+
+def instrument(cls, spent: collections.Counter, calls: collections.Counter) -> None:
+    for name in HOOKS:
+        fn = cls.__dict__.get(name) or getattr(cls, name, None)
+        if fn is None:
+            continue
+
+        def wrap(fn=fn, name=name):
+            @functools.wraps(fn)
+            def timed(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    spent[name] += time.perf_counter() - t
+                    calls[name] += 1
+            return timed
+
+        setattr(cls, name, wrap())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=300, help="generated tokens per request (decode steps)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    import harness
+
+    harness.set_env()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # both halves in this process, to be timed
+    from vllm import TokensPrompt
+
+    from tutti.vllm.connector import TuttiConnectorV1
+
+    spent, calls = collections.Counter(), collections.Counter()
+    instrument(TuttiConnectorV1, spent, calls)
+    work = tempfile.mkdtemp(prefix="tutti-hook-cost-")
+    try:
+        model = harness.make_tiny_model(os.path.join(work, "model"))
+        kv = harness.kv_config(os.path.join(work, "root"), chunk=32, capacity="256MiB", hit_policy="auto")
+        llm = harness.make_llm(model, kv_transfer_config=kv, max_num_seqs=a.requests)
+        llm.generate([TokensPrompt(prompt_token_ids=harness.prompt(7, 300))], harness.greedy(4), use_tqdm=False)
+        runs = []
+        for rep in range(a.repeats):
+            spent.clear()
+            calls.clear()
+            # prompts under one chunk: nothing is stored or loaded, every step is a quiet decode step
+            reqs = [harness.prompt(500 + 10 * rep + i, 20) for i in range(a.requests)]
+            llm.generate([TokensPrompt(prompt_token_ids=r) for r in reqs], harness.greedy(a.tokens), use_tqdm=False)
+            steps = max(1, calls["build_connector_meta"])
+            runs.append({"steps": steps, "us_per_step": round(sum(spent.values()) / steps * 1e6, 1),
+                         "hooks": {k: round(v / steps * 1e6, 1) for k, v in spent.most_common()}})
+        best = min(runs, key=lambda r: r["us_per_step"])
+        print(f"tutti host time: {best['us_per_step']} us per step over {best['steps']} decode steps "
+              f"(best of {a.repeats}: {[r['us_per_step'] for r in runs]})")
+        for k, v in best["hooks"].items():
+            print(f"  {k:32s} {v:7.1f} us")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"best": best, "runs": runs}, f, indent=1)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
