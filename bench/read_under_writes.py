@@ -1,18 +1,18 @@
-"""Reads of hits while the writer writes stores, on a disk root: tutti's own pipeline, same run.
+"""Reads of hits while stores are written, on one drive: what the writer's window does to them.
 
 Why: on the H200's virtio disk a serving run read hits at 0.2 GB/s while its stores were being
-written, against 1.7 GB/s for reads alone, so the hit policy recomputed nearly every hit. The
-reads and the writes share the drive's queue: a read submitted behind a deep queue of writes
-waits for all of them. This measures, through the real WorkerPipeline (8B KV geometry: 32 layers,
-chunks of 256 tokens, 32 MiB each; O_DIRECT through io_uring): the read rate alone, then the
-read rate of steps that each load M stored chunks while the previous steps' stores are being
-written, for each `write_window_bytes` given (the writer's bytes in flight; "off" = a run's
-writes all at once, as before the window existed).
+written, against 1.7 GB/s for reads alone, so the hit policy recomputed nearly every hit. Reads
+and writes share the drive's queue, and a read waits for whatever is queued ahead of it: tutti's
+writer used to submit a whole run of chunk writes at once (16 chunks of an 8B model are 512 MiB).
+`write_window_bytes` keeps at most that many bytes of writes in flight.
 
-    python3 bench/read_under_writes.py --out /tmp/ruw.json [--windows off,64MiB] [--root /tmp/ruw]
+This drives tutti's own IO queue (io_uring, O_DIRECT) the way the pipelines do: a writer thread
+writes runs of `--run` chunks of 32 MiB through `tutti.io.queue.submit_windowed`, one run after
+another, while the main thread keeps `--depth` reads of 1 MiB segments in flight (a load's
+segments). For each window: reads alone, writes alone, then both at once; ratios are to the
+phase alone of the same run.
 
-Ratios are to the reads alone of the same run. Checksums are off for the loads (on the CPU the
-torch checksum, not the drive, would set the rate); the stores still compute theirs.
+    python3 bench/read_under_writes.py --out /tmp/ruw.json [--windows off,64MiB] [--dir /tmp]
 """
 
 from __future__ import annotations
@@ -20,92 +20,126 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import random
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
+sys.path.insert(0, os.path.dirname(HERE))
 
-from load_rate import geometry, make_caches, worker  # noqa: E402
+from tutti.engine.config import parse_bytes  # noqa: E402
+from tutti.io.buffers import aligned_buffer  # noqa: E402
+from tutti.io.queue import READ, WRITE, IORequest, open_queue, submit_all, submit_windowed  # noqa: E402
 
-from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk  # noqa: E402
+MiB = 1 << 20
+CHUNK = 32 * MiB  # an 8B model's chunk of 256 tokens: 32 layers x 1 MiB
+SEG = 1 * MiB
 
 
-def key(i: int) -> bytes:
-    return i.to_bytes(32, "little")
+def reads_for(q, fd, buf, seconds: float, depth: int, file_bytes: int, stop: threading.Event | None = None) -> float:
+    """Bytes/s of 1 MiB reads at random offsets, `depth` in flight, for `seconds`."""
+    rng = random.Random(1)
+    n_seg = file_bytes // SEG
+    inflight: list = []
+    moved, t0 = 0, time.perf_counter()
+    slot = 0
+    while time.perf_counter() - t0 < seconds and not (stop is not None and stop.is_set()):
+        while len(inflight) < depth:
+            req = IORequest(fd, rng.randrange(n_seg) * SEG, buf, (slot % depth) * SEG, SEG, READ)
+            slot += 1
+            inflight.extend(submit_all(q, [req]))
+        fut = inflight.pop(0)
+        moved += fut.result(timeout=30)
+    for fut in inflight:
+        fut.result(timeout=30)
+    return moved / (time.perf_counter() - t0)
 
 
-def run_window(a, window: str, caches, geom, bpc: int) -> dict:
-    root = os.path.join(a.root, f"w-{window}")
-    shutil.rmtree(root, ignore_errors=True)
-    kw = {"verify_checksums": False, "io_backend": a.backend, "write_window_bytes": window}
-    w = worker(root, caches, geom, **kw)
-    try:
-        # the hits: M chunks stored and durable before anything is timed
-        w.start_step(StepPlan(1, stores=[StoreChunk("h", key(i), i, tuple(range(i * bpc, (i + 1) * bpc)), ticket=i + 1)
-                                         for i in range(a.hits)]))
-        w.end_step()
-        w.flush(timeout=600)
-        w.take_report()
-        loads = [LoadChunk("q", key(i), i, tuple(range(i * bpc, (i + 1) * bpc))) for i in range(a.hits)]
-        nbytes = a.hits * geom.num_layers * geom.segment_bytes
+class Writer(threading.Thread):
+    """Runs of chunk writes, one after another, through submit_windowed."""
 
-        def load(step: int, stores: list) -> float:
-            t0 = time.perf_counter()
-            w.start_step(StepPlan(step, loads=loads, stores=stores), layerwise=False)  # whole: read here
-            dt = time.perf_counter() - t0
-            w.end_step()  # the step's stores go to the writer
-            assert not w.take_failed_blocks()
-            return dt
+    def __init__(self, q, fd, buf, run: int, window: int | None, area_bytes: int) -> None:
+        super().__init__(name="bench-writer", daemon=True)
+        self.q, self.fd, self.buf, self.run_len, self.window, self.area = q, fd, buf, run, window, area_bytes
+        self.stop = threading.Event()
+        self.moved = 0
+        self.seconds = 0.0
 
-        alone = min(load(2 + r, []) for r in range(a.repeats))
-        times, step, nxt = [], 10, a.hits
-        t_w0 = time.perf_counter()
-        for s in range(a.steps):
-            stores = [StoreChunk("s", key(1000 + nxt + j), nxt + j,
-                                 tuple(range((nxt + j) * bpc, (nxt + j + 1) * bpc)), ticket=10_000 + nxt + j)
-                      for j in range(a.stores_per_step)]
-            nxt += a.stores_per_step
-            dt = load(step + s, stores)
-            if s:  # from the second step on, the earlier steps' writes are in flight
-                times.append(dt)
-        w.flush(timeout=600)
-        write_s = time.perf_counter() - t_w0
-        rep = w.take_report()
-        stored = len(rep.stored)
-        under = sorted(times)[len(times) // 2]
-        return {"window": window, "read_alone_GBps": round(nbytes / alone / 1e9, 3),
-                "read_under_writes_GBps": round(nbytes / under / 1e9, 3),
-                "under_over_alone": round(alone / under, 3),
-                "stored_chunks": stored, "skipped": rep.stores_skipped if hasattr(rep, "stores_skipped") else None,
-                "write_GBps_incl_reads": round(stored * geom.num_layers * geom.segment_bytes / write_s / 1e9, 3)}
-    finally:
-        w.close()
-        shutil.rmtree(root, ignore_errors=True)
+    def run(self) -> None:
+        t0, off = time.perf_counter(), 0
+        while not self.stop.is_set():
+            reqs = []
+            for i in range(self.run_len):
+                reqs.append(IORequest(self.fd, off, self.buf, i * CHUNK, CHUNK, WRITE, tag=i))
+                off = (off + CHUNK) % self.area
+            errors: dict = {}
+            futs, stalled = submit_windowed(self.q, reqs, self.window, 30.0, errors)
+            if errors or stalled:
+                raise RuntimeError(f"writes failed: {errors}")
+            self.moved += sum(f.request.length for f in futs)
+        self.seconds = time.perf_counter() - t0
+
+
+def measure(a, window_text: str) -> dict:
+    window = None if window_text == "off" else parse_bytes("window", window_text)
+    rpath, wpath = os.path.join(a.dir, "ruw-read.bin"), os.path.join(a.dir, "ruw-write.bin")
+    with open_queue("uring", queue_depth=256) as q:
+        wbuf, rbuf = aligned_buffer(a.run * CHUNK, pin=False), aligned_buffer(a.depth * SEG, pin=False)
+        wbuf.fill_(7)
+        q.register_buffers([wbuf, rbuf])
+        rfd = q.open_file(rpath, write=True, create=True)
+        wfd = q.open_file(wpath, write=True, create=True)
+        try:
+            if os.fstat(rfd).st_size < a.read_bytes:  # the hits' file, written once
+                errs: dict = {}
+                for off in range(0, a.read_bytes, a.run * CHUNK):
+                    n = min(a.run, (a.read_bytes - off) // CHUNK)
+                    submit_windowed(q, [IORequest(rfd, off + i * CHUNK, wbuf, i * CHUNK, CHUNK, WRITE) for i in range(n)],
+                                    None, 30.0, errs)
+            alone = reads_for(q, rfd, rbuf, a.seconds, a.depth, a.read_bytes)
+            w = Writer(q, wfd, wbuf, a.run, window, a.write_bytes)
+            w.start()
+            time.sleep(a.seconds)
+            w.stop.set()
+            w.join()
+            writes_alone = w.moved / w.seconds
+            w = Writer(q, wfd, wbuf, a.run, window, a.write_bytes)
+            w.start()
+            time.sleep(0.5)  # the writer's queue is full before the reads start
+            under = reads_for(q, rfd, rbuf, a.seconds, a.depth, a.read_bytes)
+            w.stop.set()
+            w.join()
+            writes_under = w.moved / w.seconds
+        finally:
+            os.close(rfd)
+            os.close(wfd)
+    return {"window": window_text, "read_alone_GBps": round(alone / 1e9, 3), "read_under_writes_GBps": round(under / 1e9, 3),
+            "read_under_over_alone": round(under / alone, 3), "write_alone_GBps": round(writes_alone / 1e9, 3),
+            "write_under_reads_GBps": round(writes_under / 1e9, 3)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="/tmp/read_under_writes.json")
-    ap.add_argument("--root", default="/tmp/tutti-read-under-writes")
+    ap.add_argument("--dir", default="/tmp", help="a directory on the drive to measure (not tmpfs)")
     ap.add_argument("--windows", default="off,64MiB")
-    ap.add_argument("--backend", default="uring")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hits", type=int, default=8, help="chunks each step loads")
-    ap.add_argument("--stores-per-step", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--run", type=int, default=16, help="chunks (32 MiB) in one run of writes")
+    ap.add_argument("--depth", type=int, default=16, help="1 MiB reads in flight")
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--read-bytes", type=lambda v: parse_bytes("read_bytes", v), default=1 << 30)
+    ap.add_argument("--write-bytes", type=lambda v: parse_bytes("write_bytes", v), default=2 << 30)
     a = ap.parse_args()
-    geom = geometry(a.layers, 256)
-    bpc = 256 // 16
-    blocks = (a.hits + a.steps * a.stores_per_step) * bpc
-    caches = make_caches(a.layers, blocks, "cpu")
-    results = [run_window(a, win, caches, geom, bpc) for win in a.windows.split(",")]
+    results = [measure(a, w) for w in a.windows.split(",")]
     for r in results:
         print(json.dumps(r))
     with open(a.out, "w") as f:
-        json.dump({"args": vars(a), "results": results}, f, indent=1)
+        json.dump({"args": {k: v for k, v in vars(a).items()}, "results": results}, f, indent=1)
+    for p in ("ruw-read.bin", "ruw-write.bin"):
+        try:
+            os.unlink(os.path.join(a.dir, p))
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

@@ -253,3 +253,63 @@ def test_submit_all_validates_the_whole_list_before_the_first_window(tmp_path, b
         finally:
             os.close(fd)
     assert path.read_bytes() == b"\x22" * 4096
+
+
+@pytest.mark.parametrize("window", [None, 256 * KiB, 64 * KiB])
+def test_windowed_writes_keep_at_most_the_window_in_flight_and_write_everything(tmp_path, backend, window):
+    from tutti.io.queue import submit_windowed
+
+    nbytes, seg = 2 * 1024 * KiB, 64 * KiB
+    src = _random(nbytes, seed=9)
+    with open_queue(backend, queue_depth=64) as q:
+        fd = q.open_file(tmp_path / "data", write=True, create=True)
+        peak, submitted = [0], []
+        real_submit = q.submit
+
+        def counting_submit(reqs):  # bytes submitted and not yet done, at each submission
+            futs = real_submit(reqs)
+            submitted.extend(futs)
+            peak[0] = max(peak[0], sum(f.request.length for f in submitted if not f.done()))
+            return futs
+
+        q.submit = counting_submit
+        try:
+            errors: dict = {}
+            futs, stalled = submit_windowed(q, _segments(fd, src, seg, "write"), window, 10.0, errors)
+        finally:
+            q.submit = real_submit
+            os.close(fd)
+    assert not stalled and not errors and len(futs) == nbytes // seg and all(f.done() for f in futs)
+    if window is not None:
+        assert peak[0] <= window
+    with open(tmp_path / "data", "rb") as f:
+        assert f.read() == bytes(src.numpy())
+
+
+def test_windowed_writes_after_a_stall_submit_nothing_more(tmp_path):
+    from tutti.io.queue import submit_windowed
+
+    class Stalling(ThreadQueue):
+        """The second request never completes (a hung file system)."""
+
+        def submit(self, reqs):
+            futs = super().submit([r for r in reqs if r.tag != 1])
+            if any(r.tag == 1 for r in reqs):
+                from tutti.io.queue import IOFuture
+
+                futs.append(IOFuture(next(r for r in reqs if r.tag == 1)))
+            return futs
+
+    src = _random(4 * 64 * KiB, seed=3)
+    q = Stalling()
+    fd = q.open_file(tmp_path / "data", write=True, create=True)
+    try:
+        errors: dict = {}
+        futs, stalled = submit_windowed(q, _segments(fd, src, 64 * KiB, "write"), 128 * KiB, 0.3, errors)
+    finally:
+        os.close(fd)
+        q.close()
+    # 0 and 1 fill the window; 0 completes, so 2 goes in; waiting for 1 stalls: 3 is never submitted
+    assert stalled and [f.request.tag for f in futs] == [0, 1, 2]
+    assert isinstance(errors[1], TimeoutError) and isinstance(errors[3], TimeoutError)
+    assert "not submitted" in str(errors[3]) and 0 not in errors

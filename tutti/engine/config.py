@@ -214,6 +214,10 @@ class EngineConfig:
     # 0.33's connector calls its knob sync_load_budget_bytes). "auto" = what the measured read
     # rate moves while the GPU computes one full step; "off" = no budget; or a size.
     sync_load_budget_bytes: Any = "auto"
+    # Bytes of store writes in flight at once (None = "off": a run's writes all at once). Reads of
+    # hits share the drive's queue with them: a read waits behind whatever is queued ahead of it,
+    # so more writes in flight than keep the drive busy only slow the hits' reads.
+    write_window_bytes: int | None = 64 << 20
     store_decode: bool = False  # also store chunks completed by generated tokens
     # How much of a hit to load (tutti.engine.hit_policy): "auto" loads only what its measured
     # read and prefill rates say is faster than recomputing; "always", "never", a registered
@@ -369,6 +373,19 @@ class EngineConfig:
                     raise ConfigError(f"sync_load_budget_bytes={v!r}: expected \"auto\" (what the read rate moves in "
                                       "one step), \"off\" (no budget) or a size such as '256MiB'") from None
             kw["sync_load_budget_bytes"] = v
+        if "write_window_bytes" in raw:
+            v = raw.pop("write_window_bytes")
+            if v == "off":
+                v = None
+            else:
+                try:
+                    v = parse_bytes("write_window_bytes", v)
+                    if v < 4096:
+                        raise ConfigError("too small")
+                except ConfigError:
+                    raise ConfigError(f"write_window_bytes={v!r}: expected a size of at least 4KiB such as '64MiB' "
+                                      "(store writes in flight at once), or \"off\" (every write of a run at once)") from None
+            kw["write_window_bytes"] = v
         for name in ("verify_checksums", "store_decode"):
             if name in raw:
                 v = raw.pop(name)

@@ -32,7 +32,7 @@ from tutti.engine.hostcost import gil_free_wait
 from tutti.engine.plan import StoreChunk
 from tutti.engine.staging import RegionArena
 from tutti.engine.writer import Writer
-from tutti.io.queue import WRITE, IORequest, submit_all
+from tutti.io.queue import WRITE, IORequest, submit_windowed
 
 
 @dataclass
@@ -230,16 +230,9 @@ class StorePipeline:
                         reqs.append(IORequest(fd, off + o, self.arena.buffer, base + o, min(max_io, hi - o), WRITE,
                                               tag=i))
             with nvtx_range("write"):
-                futures = submit_all(ctx.queue, reqs)
-                deadline = time.monotonic() + ctx.cfg.io_timeout_s
-                for fut in futures:
-                    try:
-                        fut.result(timeout=max(0.0, deadline - time.monotonic()))
-                    except TimeoutError as exc:  # a stalled file system: fail the chunk, hold its buffers
-                        errors.setdefault(fut.request.tag, exc)
-                        stalled = True
-                    except OSError as exc:
-                        errors.setdefault(fut.request.tag, exc)
+                # at most write_window_bytes in flight: the hits' reads share the drive's queue
+                futures, stalled = submit_windowed(ctx.queue, reqs, ctx.cfg.write_window_bytes, ctx.cfg.io_timeout_s,
+                                                   errors)
         finally:
             if stalled:
                 with self._lock:

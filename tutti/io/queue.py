@@ -288,6 +288,56 @@ def wait_all(futures: Iterable[IOFuture], timeout: float | None = None) -> list[
     return results
 
 
+def submit_windowed(queue: IOQueue, requests: Sequence[IORequest], window: int | None, timeout: float,
+                    errors: dict) -> tuple[list[IOFuture], bool]:
+    """Submit `requests` with at most `window` bytes in flight (None: all at once) and wait for
+    every one; returns (the submitted futures, whether one stalled: no write completed for
+    `timeout` seconds). Errors go into `errors[request.tag]` (the first per tag); after a stall
+    the requests not yet submitted are not submitted and fail with a TimeoutError.
+
+    Why a window: reads share the drive's queue with these requests, and a read waits for
+    whatever is queued ahead of it; more bytes in flight than keep the drive busy only delay
+    the reads submitted behind them."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    futures: list[IOFuture] = []
+    stalled = False
+
+    def wait(fut: IOFuture) -> None:
+        nonlocal stalled, deadline
+        try:
+            fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError as exc:  # a stalled file system: the caller holds the buffers until it lands
+            errors.setdefault(fut.request.tag, exc)
+            stalled = True
+            return
+        except OSError as exc:
+            errors.setdefault(fut.request.tag, exc)
+        deadline = time.monotonic() + timeout
+
+    if window is None:
+        futures = submit_all(queue, requests)
+        for fut in futures:
+            wait(fut)
+        return futures, stalled
+    done_upto, inflight = 0, 0
+    for k, req in enumerate(requests):
+        while inflight and inflight + req.length > window and not stalled:
+            wait(futures[done_upto])
+            inflight -= futures[done_upto].request.length
+            done_upto += 1
+        if stalled:
+            for later in requests[k:]:
+                errors.setdefault(later.tag, TimeoutError("not submitted: an earlier request of the batch stalled"))
+            break
+        futures.extend(submit_all(queue, [req]))
+        inflight += req.length
+    for fut in futures[done_upto:]:
+        wait(fut)
+    return futures, stalled
+
+
 _BACKENDS: dict[str, Callable[..., IOQueue]] = {}
 
 
