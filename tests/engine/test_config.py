@@ -265,9 +265,9 @@ def test_one_parse_serves_every_rank(tmp_path):
 
 
 def test_write_window_is_a_size_or_off():
-    assert EngineConfig.from_dict(base()).write_window_bytes == 64 << 20
+    assert EngineConfig.from_dict(base()).write_window_bytes == "auto"
     assert EngineConfig.from_dict(base(write_window_bytes="16MiB")).write_window_bytes == 16 << 20
     assert EngineConfig.from_dict(base(write_window_bytes="off")).write_window_bytes is None
     for bad in ("1KiB", "lots", -5, True):
-        with pytest.raises(ValueError, match=r"write_window_bytes=.*expected a size of at least 4KiB.*\"off\""):
+        with pytest.raises(ValueError, match=r"write_window_bytes=.*expected a size of at least 4KiB.*\"auto\".*\"off\""):
             EngineConfig.from_dict(base(write_window_bytes=bad))

@@ -1,6 +1,7 @@
 """The layer-wise pipeline on CPU tensors with real files, a real IO queue and real kernels."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -765,3 +766,25 @@ def test_start_up_probes_the_read_rate_of_stored_chunks(tmp_path):
     w = worker(tmp_path, make_caches(1), mapped_loads=False)
     assert w.probe_read_rate(max_bytes=seg)[0] == 3 * seg  # one layer of the group, then it stops
     w.close()
+
+
+def test_the_write_window_is_on_for_a_drive_and_off_for_a_ram_root(tmp_path):
+    from tutti.io.rammap import RAM_FILESYSTEMS, fs_type
+
+    if fs_type(str(tmp_path)) in RAM_FILESYSTEMS or not os.path.isdir("/dev/shm") \
+            or fs_type("/dev/shm") not in RAM_FILESYSTEMS:
+        pytest.skip("needs a disk tmp_path and a tmpfs /dev/shm")
+    w = worker(tmp_path / "disk", make_caches(0))
+    try:
+        assert w.ctx.cfg.write_window_bytes == 64 << 20
+    finally:
+        w.close()
+    shm = f"/dev/shm/tutti-window-test-{os.getpid()}"
+    try:
+        w = worker(shm, make_caches(0))
+        try:
+            assert w.ctx.cfg.write_window_bytes is None
+        finally:
+            w.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

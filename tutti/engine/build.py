@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from tutti.engine import claims
-from tutti.engine.config import ConfigError, EngineConfig
+from tutti.engine.config import DEFAULT_WRITE_WINDOW, ConfigError, EngineConfig
 from tutti.engine.geometry import Geometry  # noqa: F401 - also imported from here (its old home)
 from tutti.engine.planner import Planner, rebuild_entries
 from tutti.engine.worker import WorkerPipeline
@@ -260,6 +260,9 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
         # (/dev/shm, 1 MiB reads: 11.6 against 3.5 GB/s), so it is the default there.
         backend = "threads"
     q = open_queue(backend, **cfg.io_options)
+    if cfg.write_window_bytes == "auto":  # a drive's queue is shared by reads and writes; memory's is not
+        on_ram = all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots)
+        cfg = dataclasses.replace(cfg, write_window_bytes=None if on_ram else DEFAULT_WRITE_WINDOW)
     access = store_access(cfg)
     # Never with a secret: a keyed tag checked on the host over the mapping and a DMA that copies
     # the mapping later read the bytes twice, and an owner's rewrite in between would be served

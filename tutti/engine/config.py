@@ -176,6 +176,8 @@ def check_zmq_endpoint(value: Any) -> str:
                      "a host name or IP to connect, e.g. 'tcp://indexer:5557'), 'ipc://PATH' or 'inproc://NAME'")
 
 
+DEFAULT_WRITE_WINDOW = 64 << 20  # write_window_bytes "auto" on a drive: 2 chunks of an 8B model
+
 @dataclass(frozen=True)
 class EngineConfig:
     roots: tuple[str, ...]
@@ -216,8 +218,9 @@ class EngineConfig:
     sync_load_budget_bytes: Any = "auto"
     # Bytes of store writes in flight at once (None = "off": a run's writes all at once). Reads of
     # hits share the drive's queue with them: a read waits behind whatever is queued ahead of it,
-    # so more writes in flight than keep the drive busy only slow the hits' reads.
-    write_window_bytes: int | None = 64 << 20
+    # so more writes in flight than keep the drive busy only slow the hits' reads. "auto" = 64 MiB
+    # on a drive, off where every root is on a RAM file system (copies, no queue to share).
+    write_window_bytes: Any = "auto"  # resolved by build_worker (DEFAULT_WRITE_WINDOW on a drive)
     store_decode: bool = False  # also store chunks completed by generated tokens
     # How much of a hit to load (tutti.engine.hit_policy): "auto" loads only what its measured
     # read and prefill rates say is faster than recomputing; "always", "never", a registered
@@ -377,14 +380,14 @@ class EngineConfig:
             v = raw.pop("write_window_bytes")
             if v == "off":
                 v = None
-            else:
+            elif v != "auto":
                 try:
                     v = parse_bytes("write_window_bytes", v)
                     if v < 4096:
                         raise ConfigError("too small")
                 except ConfigError:
                     raise ConfigError(f"write_window_bytes={v!r}: expected a size of at least 4KiB such as '64MiB' "
-                                      "(store writes in flight at once), or \"off\" (every write of a run at once)") from None
+                                      "(store writes in flight at once), \"auto\" (64MiB on a drive, off on RAM roots) or \"off\"") from None
             kw["write_window_bytes"] = v
         for name in ("verify_checksums", "store_decode"):
             if name in raw:
