@@ -223,9 +223,13 @@ class LoadPipeline:
         if not self._items:
             return
         t_wait = time.perf_counter()
+        # reads may run `ahead` layers past the one awaited (layer-wise), or to the last layer when
+        # the whole load is awaited at once: pumping only the layer being processed drained the
+        # read queue at every layer boundary (a small hit had one layer's reads in flight at a time)
+        horizon = layer + self.ahead if self._layerwise else self.ctx.num_layers
         with nvtx_range("load_wait", layer):
             while self._next_process < len(self._items) and self._items[self._next_process].layer <= layer:
-                self._pump(self._items[self._next_process].layer)
+                self._pump(max(horizon, self._items[self._next_process].layer))
                 self._process(self._items[self._next_process])
                 self._next_process += 1
             self._pump(layer + self.ahead)
