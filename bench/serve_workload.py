@@ -114,18 +114,21 @@ def multi_turn_dataset(path: str, a) -> int:
     return n
 
 
-# tutti_shm with one part taken away (its config keys on top of --tutti-extra)
+# tutti_shm or tutti_disk with one part taken away (its config keys on top of --tutti-extra)
 VARIANTS: dict[str, dict] = {
     "tutti_shm_stores_only": {"hit_policy": "never"},  # stores every chunk, loads nothing
     "tutti_shm_noverify": {"verify_checksums": False},  # loads without the checksum launches
     "tutti_shm_file": {"mapped_loads": False},  # loads and stores through the file path
+    "tutti_disk_nowindow": {"write_window_bytes": "off"},  # the disk, every write of a run at once
 }
 
 
 def root_of(case: str, a) -> str:
-    if case == "tutti_disk":
-        return a.disk_root
-    return a.shm_root if case == "tutti_shm" else f"{a.shm_root}-{case[len('tutti_shm_'):]}"
+    if case in ("tutti_disk", "tutti_shm"):
+        return a.disk_root if case == "tutti_disk" else a.shm_root
+    if case.startswith("tutti_disk_"):
+        return f"{a.disk_root}-{case[len('tutti_disk_'):]}"
+    return f"{a.shm_root}-{case[len('tutti_shm_'):]}"
 
 
 def connector(case: str, a) -> dict | None:
