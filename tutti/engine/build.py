@@ -254,21 +254,20 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
         variant = "triton" if caches[0].is_cuda else "torch"
     kernel = get_variant(variant)
     backend = cfg.io_backend
-    if backend == "auto" and all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots):
+    on_ram = all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots)
+    if backend == "auto" and on_ram:
         # On RAM file systems io_uring punts every request to its io-wq workers and copies
         # through the page cache: the thread pool measured 3.3x faster on the H200 machine
         # (/dev/shm, 1 MiB reads: 11.6 against 3.5 GB/s), so it is the default there.
         backend = "threads"
     q = open_queue(backend, **cfg.io_options)
     if cfg.write_window_bytes == "auto":  # a drive's queue is shared by reads and writes; memory's is not
-        on_ram = all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots)
         cfg = dataclasses.replace(cfg, write_window_bytes=None if on_ram else DEFAULT_WRITE_WINDOW)
     access = store_access(cfg)
     # Never with a secret: a keyed tag checked on the host over the mapping and a DMA that copies
     # the mapping later read the bytes twice, and an owner's rewrite in between would be served
     # unverified; the file path checks the staged copy that then goes to the GPU.
-    maps = mac is None and (cfg.mapped_loads is True or (cfg.mapped_loads == "auto" and not access.shared
-                                                         and all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots)))
+    maps = mac is None and (cfg.mapped_loads is True or (cfg.mapped_loads == "auto" and not access.shared and on_ram))
     open_file = lambda name, w, dir_fd: q.open_file(name, write=w, create=w, dir_fd=dir_fd)  # noqa: E731
     if cfg.writer_id == claims.AUTO and not geom.writes:  # a reader rank: the writer rank's slot ('')
         cfg = dataclasses.replace(cfg, writer_id="")

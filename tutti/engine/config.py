@@ -176,6 +176,19 @@ def check_zmq_endpoint(value: Any) -> str:
                      "a host name or IP to connect, e.g. 'tcp://indexer:5557'), 'ipc://PATH' or 'inproc://NAME'")
 
 
+
+def _size_or_keyword(name: str, value: Any, minimum: int, expected: str) -> Any:
+    """"auto", "off", or a size of at least `minimum` bytes; else a ConfigError naming the key."""
+    if value in ("auto", "off"):
+        return value
+    try:
+        value = parse_bytes(name, value)
+        if value < minimum:
+            raise ConfigError("too small")
+    except ConfigError:
+        raise ConfigError(f"{name}={value!r}: {expected}") from None
+    return value
+
 DEFAULT_WRITE_WINDOW = 64 << 20  # write_window_bytes "auto" on a drive: 2 chunks of an 8B model
 
 @dataclass(frozen=True)
@@ -366,29 +379,14 @@ class EngineConfig:
                     raise ConfigError(f"{name}={v!r}: expected \"auto\" ({auto}), true or false")
                 kw[name] = v
         if "sync_load_budget_bytes" in raw:
-            v = raw.pop("sync_load_budget_bytes")
-            if v not in ("auto", "off"):
-                try:
-                    v = parse_bytes("sync_load_budget_bytes", v)
-                    if v < 0:
-                        raise ConfigError("negative")
-                except ConfigError:
-                    raise ConfigError(f"sync_load_budget_bytes={v!r}: expected \"auto\" (what the read rate moves in "
-                                      "one step), \"off\" (no budget) or a size such as '256MiB'") from None
-            kw["sync_load_budget_bytes"] = v
+            kw["sync_load_budget_bytes"] = _size_or_keyword(
+                "sync_load_budget_bytes", raw.pop("sync_load_budget_bytes"), 0,
+                "expected \"auto\" (what the read rate moves in one step), \"off\" (no budget) or a size such as '256MiB'")
         if "write_window_bytes" in raw:
-            v = raw.pop("write_window_bytes")
-            if v == "off":
-                v = None
-            elif v != "auto":
-                try:
-                    v = parse_bytes("write_window_bytes", v)
-                    if v < 4096:
-                        raise ConfigError("too small")
-                except ConfigError:
-                    raise ConfigError(f"write_window_bytes={v!r}: expected a size of at least 4KiB such as '64MiB' "
-                                      "(store writes in flight at once), \"auto\" (64MiB on a drive, off on RAM roots) or \"off\"") from None
-            kw["write_window_bytes"] = v
+            v = _size_or_keyword("write_window_bytes", raw.pop("write_window_bytes"), 4096,
+                                 "expected a size of at least 4KiB such as '64MiB' (store writes in flight at once), "
+                                 "\"auto\" (64MiB on a drive, off on RAM roots) or \"off\"")
+            kw["write_window_bytes"] = None if v == "off" else v
         for name in ("verify_checksums", "store_decode"):
             if name in raw:
                 v = raw.pop(name)

@@ -142,15 +142,14 @@ class CostModel:
     @staticmethod
     def shared_time(q: HitQuery, rates: Rates, m: int) -> float:
         """The seconds the request's prefill (and, layer-wise, its loads) adds to shared steps."""
-        rl, rp = float(rates.load_bytes_per_s), float(rates.prefill_tokens_per_s)
-        n = q.prompt_tokens
+        rp = float(rates.prefill_tokens_per_s)
         if m <= 0:
-            return n / rp
+            return q.prompt_tokens / rp
         if q.asynchronous:
-            return (n - m) / rp
-        load = rates.load_overhead_s + (rates.queued_load_bytes + m * q.bytes_per_token) / rl
-        c1 = min(max(q.step_tokens, 1), n - m)
-        return max(load, c1 / rp) + (n - m - c1) / rp
+            return (q.prompt_tokens - m) / rp
+        # layer-wise: the request's own time less its wait for the prefill backlog (the batch waits
+        # for the step's loads and the prompt's compute, not for the prompts ahead of it)
+        return CostModel.time(q, rates, m) - rates.prefill_backlog_tokens / rp
 
     @staticmethod
     def time(q: HitQuery, rates: Rates, m: int) -> float:

@@ -18,6 +18,9 @@ import time
 from typing import Callable, Iterator
 
 
+HOST_COST_INTERVAL_S = 0.25  # how often host costs are read and sent: cumulative, so nothing is lost
+
+
 class HookClock:
     """Seconds spent inside hooks on the calling thread, summed until taken."""
 
@@ -57,7 +60,7 @@ class ThreadCPU:
     step, and walking every thread of the process each step cost about 70 us of the step's own
     thread; the counter is cumulative, so a delta only arrives a little later."""
 
-    def __init__(self, select: Callable[[str], bool], interval_s: float = 0.25) -> None:
+    def __init__(self, select: Callable[[str], bool], interval_s: float = HOST_COST_INTERVAL_S) -> None:
         self.select = select
         self.interval_s = interval_s
         self._last: dict[int, float] = {}

@@ -27,7 +27,6 @@ from typing import Sequence
 
 import torch
 
-from tutti.engine.config import DEFAULT_WRITE_WINDOW
 from tutti.engine.context import U64, Counters, JournalView, WorkerContext, log, nvtx_range
 from tutti.engine.hostcost import gil_free_wait
 from tutti.engine.plan import StoreChunk
@@ -232,9 +231,8 @@ class StorePipeline:
                                               tag=i))
             with nvtx_range("write"):
                 # at most write_window_bytes in flight: the hits' reads share the drive's queue
-                window = ctx.cfg.write_window_bytes
-                window = DEFAULT_WRITE_WINDOW if window == "auto" else window  # unresolved: a drive's default
-                futures, stalled = submit_windowed(ctx.queue, reqs, window, ctx.cfg.io_timeout_s, errors)
+                futures, stalled = submit_windowed(ctx.queue, reqs, ctx.cfg.write_window_bytes, ctx.cfg.io_timeout_s,
+                                                   errors)
         finally:
             if stalled:
                 with self._lock:

@@ -11,6 +11,7 @@ import abc
 import errno as _errno
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -298,8 +299,6 @@ def submit_windowed(queue: IOQueue, requests: Sequence[IORequest], window: int |
     Why a window: reads share the drive's queue with these requests, and a read waits for
     whatever is queued ahead of it; more bytes in flight than keep the drive busy only delay
     the reads submitted behind them."""
-    import time
-
     deadline = time.monotonic() + timeout
     futures: list[IOFuture] = []
     stalled = False

@@ -31,7 +31,8 @@ from tutti.engine.config import ConfigError, EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
 from tutti.engine import claims
 from tutti.engine.build import build_planner, build_worker, check_geometry, segment_mac, with_integrity
-from tutti.engine.hostcost import WAITS, HookClock, ThreadCPU, scheduler_threads, timed, worker_threads
+from tutti.engine.hostcost import (HOST_COST_INTERVAL_S, WAITS, HookClock, ThreadCPU, scheduler_threads, timed,
+                                   worker_threads)
 from tutti.vllm import compat
 from tutti.vllm.events import EventPublisher, KVEventTracker, expand_topic
 from tutti.vllm.stats import SchedulerStatsTracker, TuttiKVConnectorStats, TuttiPromMetrics, stats_from
@@ -483,7 +484,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
                                           thread_cpu_seconds=self._threads.take() if due else 0.0)
         return None
 
-    def _host_costs_due(self, interval_s: float = 0.25) -> bool:
+    def _host_costs_due(self, interval_s: float = HOST_COST_INTERVAL_S) -> bool:
         """Whether the host-cost counters go out with this step's stats: walking the threads and
         sending three more counters every step cost more than the step's other stats."""
         now = time.monotonic()
