@@ -172,7 +172,7 @@ def test_planner_loads_what_the_policy_chose_and_counts_the_rest():
     assert len(plan.async_loads) == 3  # chunks 0..2 only
     assert sum(p._step_load_bytes.values()) == 3 * 32 * 1000  # queued until reported done
     p.on_report(WorkerReport(steps_done=[plan.async_step], bytes_loaded=3 * 32000, load_seconds=0.5,
-                             load_wait_seconds=0.5))
+                             rate_bytes=3 * 32000, rate_seconds=0.5))
     assert not p._step_load_bytes and p.meter.load_rate == pytest.approx(3 * 32000 / 0.5)
 
 
@@ -265,7 +265,7 @@ def test_rate_meter_times_steps_from_their_outputs_under_async_scheduling():
 def test_the_planner_times_steps_by_their_reports():
     p = planner(CostModel())
     plan = p.build_step({}, {})
-    p.meter._pending[plan.step] = (8192, p.meter._pending[plan.step][1] - 0.25)  # scheduled 0.25 s ago
+    p.meter._pending[plan.step] = (8192, p.meter._pending[plan.step][1] - 0.25, False)  # scheduled 0.25 s ago
     p.on_report(WorkerReport(steps_done=[plan.step]))
     assert 8192 / 0.3 < p.meter.prefill_rate < 8192 / 0.25
 
@@ -321,3 +321,34 @@ def test_the_planner_hands_the_policy_its_running_batch():
     p.build_step({f"d{i}": 40 for i in range(3)}, {f"d{i}": 0 for i in range(3)})
     assert p.match("r", toks + [1], 0) == 192
     assert seen[-1] == 3
+
+
+def test_a_step_that_loads_layer_wise_is_a_step_time_but_not_a_prefill_rate():
+    """Its duration holds the forward's waits for reads: counted as a prefill rate, a slow disk
+    made the GPU look slow and loading look better (on the H200 the meter fell from 36.9k to
+    23.5k tokens/s after layer-wise hits, and the next hit loaded more)."""
+    m = RateMeter()
+    m.on_scheduled(1, 8192, now=0.0)
+    m.on_done(1, now=0.25)  # a plain prefill step: 32.8k tokens/s
+    m.on_scheduled(2, 8192, now=0.25)
+    m.loads_in(2)
+    m.on_done(2, now=0.75)  # the same tokens with a layer-wise load: twice as long
+    assert m.prefill_rate == pytest.approx(8192 / 0.25)
+    assert m.step_time == pytest.approx((0.25 * 0.9 + 0.5) / 1.9)
+    m.on_loads(0, 0.0, now=1.0)  # loads that hid under compute: no rate, but a fresh one
+    assert m.load_rate is None and m.load_age(now=2.0) == pytest.approx(1.0)
+
+
+def test_the_planner_marks_its_layer_wise_steps_and_takes_rate_samples_only():
+    p = Planner(num_slots=64, chunk_tokens=32, block_size=16, seed=b"s" * 32, slot_bytes=32 * 1000,
+                hit_policy=Always(), asynchronous=False)
+    toks = list(range(1, 200))
+    store_prefix(p, toks)
+    assert p.match("r", toks + [7], 0) == 192
+    p.on_alloc("r", list(range(20)), 192)
+    plan = p.build_step({"r": 8}, {"r": 192})
+    assert plan.loads and p.meter._pending[plan.step][2] is True
+    # 6 chunks read, but the forward stalled only up to 2 of them, 0.1 s in: that is the rate
+    p.on_report(WorkerReport(steps_done=[plan.step], bytes_loaded=6 * 32000, load_seconds=0.5,
+                             rate_bytes=2 * 32000, rate_seconds=0.1))
+    assert p.meter.load_rate == pytest.approx(2 * 32000 / 0.1)

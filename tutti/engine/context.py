@@ -234,7 +234,7 @@ class Counters:
     def add_locked(self, **amounts: float) -> None:
         for name, v in amounts.items():
             setattr(self.report, name, getattr(self.report, name) + v)
-            if name in self._stats:  # the rest go to the scheduler only (load_wait_seconds)
+            if name in self._stats:  # the rest go to the scheduler only (the read-rate sample)
                 self._stats[name] += v
 
     def record(self, *, stored: Iterable[int] = (), store_failed: Iterable[int] = (),

@@ -196,8 +196,12 @@ class RateMeter:
     _samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=32))
 
     def on_loads(self, nbytes: int, seconds: float, now: float | None = None) -> None:
-        """`seconds`: what the loads cost their requests; about 0 for a layer-wise load that hid
-        under compute entirely (the storage was then faster than needed: a high rate)."""
+        """A read-rate sample: `nbytes` read in `seconds` while the reads were what was waited for
+        (a whole load: all of it; a layer-wise load: up to its last read the forward waited on).
+        (0, 0) says loads ran and hid under compute: no rate, but the rate is not stale."""
+        if nbytes == 0 and seconds == 0:
+            self._last_load = time.monotonic() if now is None else now
+            return
         if nbytes > 0 and seconds >= 0:
             self.load_bytes = self.load_bytes * self.decay + nbytes
             self.load_seconds = self.load_seconds * self.decay + max(seconds, 1e-6)
@@ -215,9 +219,17 @@ class RateMeter:
     def on_scheduled(self, step: int, scheduled_tokens: int, now: float | None = None) -> None:
         """Step `step` was scheduled with this many tokens (its duration is known when it is done)."""
         now = time.monotonic() if now is None else now
-        self._pending[step] = (scheduled_tokens, now)
+        self._pending[step] = (scheduled_tokens, now, False)
         while len(self._pending) > 256:  # steps never reported (a worker that skipped them): forgotten
             self._pending.pop(next(iter(self._pending)))
+
+    def loads_in(self, step: int) -> None:
+        """Step `step` loads layer-wise: its duration includes the forward's waits for reads, so
+        it is a step time but not a prefill rate (counted as one, a slow disk made the GPU look
+        slow, which made loading look better: the policy's own loads fed its choice)."""
+        got = self._pending.get(step)
+        if got is not None:
+            self._pending[step] = (got[0], got[1], True)
 
     def on_done(self, step: int, now: float | None = None) -> None:
         """Step `step`'s output reached the scheduler (its worker report came with it). Its
@@ -228,7 +240,7 @@ class RateMeter:
         if got is None:  # another worker's copy of a step already counted, or an unknown step
             return
         now = time.monotonic() if now is None else now
-        tokens, scheduled_at = got
+        tokens, scheduled_at, loading = got
         start = scheduled_at if self._last_done is None else max(scheduled_at, self._last_done)
         self._last_done = now
         took = now - start
@@ -236,7 +248,7 @@ class RateMeter:
             return
         self.step_seconds = self.step_seconds * self.decay + took
         self.steps = self.steps * self.decay + 1
-        if tokens >= self.min_step_tokens:
+        if tokens >= self.min_step_tokens and not loading:
             self.prefill_tokens = self.prefill_tokens * self.decay + tokens
             self.prefill_seconds = self.prefill_seconds * self.decay + took
 

@@ -80,6 +80,8 @@ class LoadPipeline:
         self._t0 = 0.0
         self._bytes = 0  # loaded this step, reported with the step's seconds at finish()
         self._waited, self._layerwise = 0.0, False  # the forward's waits of a layer-wise load
+        # a layer-wise load's read-rate sample: bytes done when the forward last stalled on a read
+        self._stall_bytes, self._stall_end = 0, None
         self.trace: list[tuple[str, int, float]] | None = None
 
     # ---------------------------------------------------------------- step
@@ -114,6 +116,7 @@ class LoadPipeline:
         self._t0 = time.perf_counter()
         self._bytes = 0
         self._waited, self._layerwise = 0.0, layerwise
+        self._stall_bytes, self._stall_end = 0, None
         if ctx.cuda:
             # blocks just handed to these requests may still be in use by work already queued
             # on the compute stream (a freed request's last step): scatter only after it
@@ -263,8 +266,13 @@ class LoadPipeline:
         span = time.perf_counter() - self._t0
         # bytes and seconds in one report: the hit policy's read rate is their ratio, and a report
         # taken between the two (an asynchronous job's thread) read as an infinitely fast store
-        self.counters.add(bytes_loaded=self._bytes, load_seconds=span,
-                          load_wait_seconds=self._waited if self._layerwise else span)
+        if not self._layerwise:
+            rate_bytes, rate_s = self._bytes, span
+        elif self._stall_end is not None:  # reads were the bottleneck up to that read: its rate
+            rate_bytes, rate_s = self._stall_bytes, self._stall_end - self._t0
+        else:  # every read was done before the forward needed it: no rate (faster than needed)
+            rate_bytes, rate_s = 0, 0.0
+        self.counters.add(bytes_loaded=self._bytes, load_seconds=span, rate_bytes=rate_bytes, rate_seconds=rate_s)
         self._bytes = 0
         if self._bad is not None:
             if self.ctx.cuda:
@@ -375,6 +383,7 @@ class LoadPipeline:
             return
         errors = {}
         stalled = False
+        blocked = self._layerwise and any(not f.done() for f in item.futures)
         deadline = time.monotonic() + ctx.cfg.io_timeout_s
         with nvtx_range("io_wait", item.layer):
             for fut in item.futures:
@@ -421,6 +430,8 @@ class LoadPipeline:
                     ev.record(self.stream)
                     self._layer_events[item.layer] = ev
             self._bytes += len(good) * seg
+        if blocked:
+            self._stall_bytes, self._stall_end = self._bytes, time.perf_counter()
         if stalled:  # a late read may still land in this slot: it comes back once every read is done
             self._stragglers.append((item, ev))
         else:

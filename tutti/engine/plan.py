@@ -70,10 +70,12 @@ class WorkerReport:
     load_seconds: float = 0.0
     store_seconds: float = 0.0
     stores_skipped: int = 0
-    # of load_seconds, what the loads cost their requests: all of an asynchronous or whole-step
-    # load, only the forward's waits of a layer-wise one (the rest hid under compute); the hit
-    # policy's read rate is bytes_loaded over this
-    load_wait_seconds: float = 0.0
+    # the hit policy's read-rate sample: bytes read in seconds while the reads were what was
+    # waited for (a whole or asynchronous load: all of it; a layer-wise load: up to the last read
+    # the forward stalled on; none when it hid under compute). A layer-wise load's waits alone
+    # read the storage as faster than it is, and the policy then loaded more than it could hide.
+    rate_bytes: int = 0
+    rate_seconds: float = 0.0
     # the start-up read probe (WorkerPipeline.probe_read_rate): the hit policy's first read rate
     probe_bytes: int = 0
     probe_seconds: float = 0.0
@@ -90,7 +92,8 @@ class WorkerReport:
             load_seconds=self.load_seconds + other.load_seconds,
             store_seconds=self.store_seconds + other.store_seconds,
             stores_skipped=self.stores_skipped + other.stores_skipped,
-            load_wait_seconds=self.load_wait_seconds + other.load_wait_seconds,
+            rate_bytes=self.rate_bytes + other.rate_bytes,
+            rate_seconds=self.rate_seconds + other.rate_seconds,
             probe_bytes=self.probe_bytes + other.probe_bytes,
             probe_seconds=max(self.probe_seconds, other.probe_seconds),
         )

@@ -417,6 +417,7 @@ class Planner:
                 continue
             if r.loads:
                 plan.loads.extend(r.loads)
+                self.meter.loads_in(plan.step)
                 pins.extend(ld.key for ld in r.loads if ld.source is None)
                 foreign_keys.extend(ld.key for ld in r.loads if ld.source is not None)
                 r.loads = []
@@ -550,7 +551,10 @@ class Planner:
         s.load_seconds += report.load_seconds
         s.store_seconds += report.store_seconds
         s.stores_skipped += report.stores_skipped
-        self.meter.on_loads(report.bytes_loaded, report.load_wait_seconds)
+        if report.rate_bytes or report.rate_seconds:
+            self.meter.on_loads(report.rate_bytes, report.rate_seconds)
+        elif report.bytes_loaded:
+            self.meter.on_loads(0, 0.0)  # loads that hid under compute: the rate is not stale
         for step in report.steps_done:  # the step's output is here: it is done (the meter's step times)
             self.meter.on_done(step)
         if report.probe_bytes and report.workers:  # the start-up probe: per worker, as loads are
