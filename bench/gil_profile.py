@@ -23,7 +23,7 @@ import signal
 import subprocess
 import time
 
-_PROC = re.compile(r'^process (\d+):"(.*)"$')
+_PROC = re.compile(r'^process (\d+):"(.*)$')  # a command line with a ';' (vLLM's spawned engine core) is split: no closing quote needed
 _THREAD = re.compile(r"^thread \((\d+)\): (.*)$")
 
 

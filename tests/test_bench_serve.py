@@ -39,3 +39,25 @@ def test_variants_get_roots_of_their_own_and_their_keys():
     assert len(set(roots.values())) == len(roots)  # servers started together never share a root
     assert sw.connector("tutti_shm_stores_only", A)["kv_connector_extra_config"]["hit_policy"] == "never"
     assert sw.connector("none", A) is None
+
+
+def test_gil_samples_of_a_spawned_engine_core_are_its_own_process(tmp_path):
+    """py-spy's collapsed stacks split frames at ';', and the engine core's command line (vLLM
+    spawns it with `-c "from multiprocessing.spawn import spawn_main; spawn_main(...)"`) holds
+    one: its threads were counted under the API server's process."""
+    import gil_profile as gp
+
+    server = 'process 548:"python3 -m vllm.entrypoints.openai.api_server --port 8102"'
+    core = 'process 966:"python3 -B -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=46) --multiprocessing-fork"'
+    f = tmp_path / "gil.txt"
+    f.write_text("\n".join([
+        f"{server};thread (1): MainThread;step (detokenizer.py:225) 30",
+        f"{server};{core};thread (7): tutti-async-loads;upload (tutti/engine/context.py:96) 10",
+        f"{server};{core};thread (6): MainThread;execute_model (core.py:1403) 20",
+    ]) + "\n")
+    s = gp.summarize(str(f), seconds=1.0, rate=100)
+    procs = {k.split()[0]: v for k, v in s["processes"].items()}
+    assert set(procs) == {"548", "966"}
+    assert procs["548"]["threads"]["MainThread"]["samples"] == 30 and "tutti-async-loads" not in procs["548"]["threads"]
+    assert procs["966"]["threads"]["tutti-async-loads"]["share"] == 0.1 and procs["966"]["gil_share"] == 0.3
+    assert gp.tutti_share(s) == 0.1
