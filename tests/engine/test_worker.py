@@ -878,3 +878,18 @@ def test_a_layer_wise_loads_read_rate_is_measured_where_the_forward_stalled_on_r
     assert rep.bytes_loaded == per_load and (rep.rate_bytes, rep.rate_seconds) == (0, 0.0)
     assert w.take_failed_blocks() == set()
     w.close()
+
+
+def test_a_mapped_layer_wise_load_still_measures_a_rate(tmp_path):
+    """A mapped RAM root's chunks are copied whole (no read to stall on) and it has no start-up
+    probe: its loads must still give the hit policy a rate, or every hit found while another
+    load is queued would be recomputed (an unmeasured store is loaded one hit at a time)."""
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(1, [0, 1])])
+    w = worker(tmp_path, make_caches(1), mapped_loads=True)
+    assert w.store.maps_ram
+    run_step(w, StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 1, (8, 9))]))
+    rep = w.take_report()
+    assert rep.bytes_loaded == L * geometry().segment_bytes and rep.rate_bytes == rep.bytes_loaded
+    assert w.take_failed_blocks() == set()
+    w.close()

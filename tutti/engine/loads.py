@@ -82,6 +82,7 @@ class LoadPipeline:
         self._waited, self._layerwise = 0.0, False  # the forward's waits of a layer-wise load
         # a layer-wise load's read-rate sample: bytes done when the forward last stalled on a read
         self._stall_bytes, self._stall_end = 0, None
+        self._mapped_bytes = 0  # copied chunk-major from mapped slabs (one DMA, no host wait)
         self.trace: list[tuple[str, int, float]] | None = None
 
     # ---------------------------------------------------------------- step
@@ -117,6 +118,7 @@ class LoadPipeline:
         self._bytes = 0
         self._waited, self._layerwise = 0.0, layerwise
         self._stall_bytes, self._stall_end = 0, None
+        self._mapped_bytes = 0
         if ctx.cuda:
             # blocks just handed to these requests may still be in use by work already queued
             # on the compute stream (a freed request's last step): scatter only after it
@@ -270,6 +272,8 @@ class LoadPipeline:
             rate_bytes, rate_s = self._bytes, span
         elif self._stall_end is not None:  # reads were the bottleneck up to that read: its rate
             rate_bytes, rate_s = self._stall_bytes, self._stall_end - self._t0
+        elif self._mapped_bytes:  # copies from RAM the host never waits for: the forward's waits (a high rate)
+            rate_bytes, rate_s = self._mapped_bytes, self._waited
         else:  # every read was done before the forward needed it: no rate (faster than needed)
             rate_bytes, rate_s = 0, 0.0
         self.counters.add(bytes_loaded=self._bytes, load_seconds=span, rate_bytes=rate_bytes, rate_seconds=rate_s)

@@ -73,3 +73,4 @@ def _load_group(lp: "LoadPipeline", buf: torch.Tensor, idx: list[int], views: di
     lp.verify(chunks, idx, layers, 0)
     lp.scatter(chunks, idx, layers, good, 0)
     lp._bytes += len(good) * L * seg
+    lp._mapped_bytes += len(good) * L * seg
