@@ -6,7 +6,9 @@ driver, the same prompts and engine settings for every case; each case runs in a
 plot) with every figure as a ratio to the no-connector case of the same run.
 
 Cases: recompute (no connector), recompute_piecewise (no connector, cudagraph_mode=PIECEWISE:
-what forcing PIECEWISE would cost), tutti on /dev/shm, tutti on disk (O_DIRECT), vLLM's
+what forcing PIECEWISE would cost), tutti on /dev/shm (tutti_shm; tutti_shm_file: mapped_loads
+off, the file path; tutti_shm_defaults: every knob at its default, auto staging), tutti on disk
+(O_DIRECT), vLLM's
 OffloadingConnector (CPU tier), vLLM's ExampleConnector. The warm-up stores nothing, so the
 first hit of the first length is the first load ever (it would pay any kernel compilation).
 For each prompt length:
@@ -25,6 +27,7 @@ threads in the same run) sits next to tutti's load throughput.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -89,12 +92,16 @@ def connector_config(case: str, a) -> dict | None:
     if case.startswith("recompute"):
         return None
     if case.startswith("tutti"):
-        root = a.disk_root if case == "tutti_disk" else a.shm_root
+        # tutti_shm_file: the file path on a RAM root (mapped_loads off); tutti_shm_defaults: a
+        # RAM root with every knob at its default (auto staging: are the stores all taken?)
+        root = a.disk_root if case == "tutti_disk" else a.shm_root + ("" if case == "tutti_shm" else "-" + case)
+        extra = {"root": root, "capacity_bytes": a.capacity, "chunk_tokens": 256}
+        if case != "tutti_shm_defaults":
+            extra.update(staging_bytes=a.staging, staging_slots=1024, max_inflight_stores=1000, lookahead=2)
+        if case == "tutti_shm_file":
+            extra["mapped_loads"] = False
         return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
-                "kv_role": "kv_both", "kv_connector_extra_config": {
-                    "root": root, "capacity_bytes": a.capacity, "chunk_tokens": 256,
-                    "staging_bytes": a.staging, "staging_slots": 1024, "max_inflight_stores": 1000,
-                    "lookahead": 2}}
+                "kv_role": "kv_both", "kv_connector_extra_config": extra}
     if case == "offloading":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": a.capacity_int}}
@@ -200,12 +207,15 @@ def run_case(case: str, a) -> dict:
                 worker = getattr(get_kv_transfer_group(), "worker", None)
         except ImportError:
             pass
+        t_flush = time.perf_counter()
         if worker is not None:
             worker.flush()
+        flushed = time.perf_counter() - t_flush  # the stores still in flight after the first token
         for _ in range(3):  # deliver reports / let async offloads land
             gen([prompt(999, 16, vocab)], one)
             time.sleep(0.2 if worker is not None else 1.0)
         llm.reset_prefix_cache()
+        return flushed
 
     gen([prompt(998, 64, vocab)], one)  # warm-up: shorter than a chunk, nothing stored or loaded
     res = {"case": case, "engine_start_s": start_s, "lengths": {},
@@ -214,7 +224,7 @@ def run_case(case: str, a) -> dict:
         p = prompt(n, n, vocab)
         llm.reset_prefix_cache()
         (t1, o1), sync1 = count_syncs(lambda: gen([p], one))
-        settle()
+        settled_after_s = settle()
         if case == "tutti_disk" and a.drop_caches:
             try:
                 with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -226,7 +236,7 @@ def run_case(case: str, a) -> dict:
         _, o3 = gen([p], sixteen)  # a hit again (the connector), 16 tokens to compare across cases
         llm.reset_prefix_cache()
         t4, _ = gen([p], one)  # a later hit: the first one had nothing left to compile
-        res["lengths"][str(n)] = {"first_s": t1, "hit_s": t2, "later_hit_s": t4,
+        res["lengths"][str(n)] = {"first_s": t1, "hit_s": t2, "later_hit_s": t4, "stores_settled_after_s": settled_after_s,
                                   "cached_tokens": o2[0].num_cached_tokens,
                                   "syncs_first": sync1, "syncs_hit": sync2,
                                   "tokens16": list(o3[0].outputs[0].token_ids),
@@ -323,7 +333,7 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     if not a.model:
         a.model = make_model(os.path.join(a.out, "model"), a.tiny, a.geometry)
-    for d in (a.disk_root, a.shm_root, a.example_root):
+    for d in (a.disk_root, a.shm_root, a.example_root, *glob.glob(a.shm_root + "-tutti_*")):
         shutil.rmtree(d, ignore_errors=True)
     results = []
     for case in a.cases.split(","):
@@ -366,7 +376,7 @@ def main() -> None:
         plot(table, os.path.join(a.out, "ttft.png"))
     except Exception as exc:  # noqa: BLE001
         print("plot failed:", exc)
-    for d in (a.disk_root, a.shm_root, a.example_root):
+    for d in (a.disk_root, a.shm_root, a.example_root, *glob.glob(a.shm_root + "-tutti_*")):
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -382,8 +392,8 @@ def summarize(results: list[dict], ceil: dict, a) -> dict:
     rows = []
     md = [f"vLLM mode: {mode}. Ratios: to the no-connector case (recompute) of this run.", "",
           "| prompt tokens | case | first prefill (s) | x | hit (s) | x | later hit (s) | first hit / later | "
-          "cached tokens | tokens = recompute | tutti syncs first / hit |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "cached tokens | tokens = recompute | tutti syncs first / hit | stores settled after first token (s) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in a.lengths:
         key = str(n)
         base = ref["lengths"][key] if ref else {}
@@ -397,7 +407,8 @@ def summarize(results: list[dict], ceil: dict, a) -> dict:
                          "same_tokens": same, "syncs_first": d["syncs_first"], "syncs_hit": d["syncs_hit"]})
             md.append(f"| {n} | {case} | {d['first_s']:.3f} | {_ratio(d['first_s'], base.get('first_s'))} | "
                       f"{d['hit_s']:.3f} | {_ratio(d['hit_s'], base.get('hit_s'))} | {d['later_hit_s']:.3f} | "
-                      f"{_ratio(d['hit_s'], d['later_hit_s'])} | {d['cached_tokens']} | {same} | {syncs} |")
+                      f"{_ratio(d['hit_s'], d['later_hit_s'])} | {d['cached_tokens']} | {same} | {syncs} | "
+                      f"{d.get('stores_settled_after_s', float('nan')):.3f} |")
     md += ["", "| case | decode ms/token idle | x | decode ms/token while storing | x | cudagraph mode |",
            "|---|---|---|---|---|---|"]
     for case, r in ok.items():
