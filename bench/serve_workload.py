@@ -120,6 +120,7 @@ VARIANTS: dict[str, dict] = {
     "tutti_shm_noverify": {"verify_checksums": False},  # loads without the checksum launches
     "tutti_shm_file": {"mapped_loads": False},  # loads and stores through the file path
     "tutti_disk_nowindow": {"write_window_bytes": "off"},  # the disk, every write of a run at once
+    "tutti_disk_writesfirst": {"reads_first": False},  # the disk, writes not yielding to the hits' reads
 }
 
 

@@ -271,3 +271,12 @@ def test_write_window_is_a_size_or_off():
     for bad in ("1KiB", "lots", -5, True):
         with pytest.raises(ValueError, match=r"write_window_bytes=.*expected a size of at least 4KiB.*\"auto\".*\"off\""):
             EngineConfig.from_dict(base(write_window_bytes=bad))
+
+
+def test_reads_first_is_auto_or_a_bool():
+    assert EngineConfig.from_dict(base()).reads_first == "auto"
+    for v in (True, False, "auto"):
+        assert EngineConfig.from_dict(base(reads_first=v)).reads_first == v
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match=r"reads_first=.*expected \"auto\" \(wherever write_window_bytes"):
+            EngineConfig.from_dict(base(reads_first=bad))

@@ -893,3 +893,68 @@ def test_a_mapped_layer_wise_load_still_measures_a_rate(tmp_path):
     assert rep.bytes_loaded == L * geometry().segment_bytes and rep.rate_bytes == rep.bytes_loaded
     assert w.take_failed_blocks() == set()
     w.close()
+
+
+@pytest.mark.parametrize("reads_first", ["auto", False])
+def test_store_writes_yield_to_a_loads_reads_in_flight(tmp_path, reads_first):
+    """reads_first (auto wherever there is a write window: a drive): while a load's read is in
+    flight the writer keeps one small write in flight, so the read is not queued behind a window
+    of chunk writes; everything is still written and loads back bit-exact. The control
+    (reads_first false) writes whole chunks, more than one segment at a time."""
+    from tutti.io.queue import READ, IOFuture, IORequest, ReadsFirst
+
+    src = make_caches(0)
+    seg = geometry().segment_bytes
+    w = worker(tmp_path, src, write_window_bytes="64KiB", reads_first=reads_first)
+    peak, longest, submitted = [0], [0], []
+    pending = IOFuture(IORequest(0, 0, torch.empty(seg, dtype=torch.uint8), 0, seg, READ))
+    try:
+        if reads_first == "auto":
+            assert isinstance(w.ctx.reads, ReadsFirst) and w.ctx.reads.yield_bytes == 4 << 20
+            w.ctx.reads = ReadsFirst(seg)  # one segment, so a chunk of this tiny geometry is split
+            w.ctx.reads.track([pending])  # a load's read the drive has not answered yet
+        else:
+            assert w.ctx.reads is None
+        real_submit = w.ctx.queue.submit
+
+        def counting_submit(reqs):
+            futs = real_submit(reqs)
+            submitted.extend(f for f in futs if f.request.op != READ)
+            longest[0] = max([longest[0]] + [f.request.length for f in futs if f.request.op != READ])
+            peak[0] = max(peak[0], sum(f.request.length for f in submitted if not f.done()))
+            return futs
+
+        w.ctx.queue.submit = counting_submit
+        chunks = [(s, [2 * s, 2 * s + 1]) for s in range(6)]
+        stores = [StoreChunk("r", bytes([i]) * 32, slot, tuple(blocks), ticket=i + 1)
+                  for i, (slot, blocks) in enumerate(chunks)]
+        run_step(w, StepPlan(1, stores=stores))
+        w.flush()
+        rep = w.take_report()
+        assert sorted(rep.stored) == [1, 2, 3, 4, 5, 6] and not rep.store_failed
+        if reads_first == "auto":
+            assert peak[0] <= seg and longest[0] == seg and w.ctx.reads.yields > 0
+            pending.set_result(seg)  # the read lands: the window is the whole window again
+            assert not w.ctx.reads.reading() and w.ctx.reads.window(64 << 10) == 64 << 10
+        else:
+            assert longest[0] == L * seg  # a whole chunk a request
+    finally:
+        w.close()
+    dst = make_caches(1)
+    w = worker(tmp_path, dst)
+    try:
+        run_step(w, StepPlan(2, loads=[LoadChunk("q", bytes([i]) * 32, s, (2 * s + 12, 2 * s + 13)) for i, (s, _) in enumerate(chunks[:5])]))
+        assert w.take_failed_blocks() == set()
+        for s_, d in zip(src, dst):
+            for slot, blocks in chunks[:5]:
+                assert torch.equal(d[[2 * slot + 12, 2 * slot + 13]], s_[blocks])
+    finally:
+        w.close()
+
+
+def test_reads_first_is_off_without_a_write_window(tmp_path):
+    w = worker(tmp_path, make_caches(0), write_window_bytes="off")
+    try:
+        assert w.ctx.reads is None
+    finally:
+        w.close()

@@ -313,3 +313,42 @@ def test_windowed_writes_after_a_stall_submit_nothing_more(tmp_path):
     assert stalled and [f.request.tag for f in futs] == [0, 1, 2]
     assert isinstance(errors[1], TimeoutError) and isinstance(errors[3], TimeoutError)
     assert "not submitted" in str(errors[3]) and 0 not in errors
+
+
+def test_writes_yield_to_tracked_reads_until_they_land(tmp_path, backend):
+    """ReadsFirst: a writer's window is `yield_bytes` while a tracked read is in flight, the
+    whole window once it landed; no window stays no window (RAM roots)."""
+    from functools import partial
+
+    from tutti.io.queue import IOFuture, ReadsFirst, submit_windowed
+
+    nbytes, seg = 1024 * KiB, 64 * KiB
+    src = _random(nbytes, seed=11)
+    rf = ReadsFirst(seg)
+    pending = IOFuture(IORequest(0, 0, src, 0, seg, "read"))
+    rf.track([pending])
+    assert rf.reading() and rf.window(None) is None and rf.window(8 * seg) == seg
+    with open_queue(backend, queue_depth=64) as q:
+        fd = q.open_file(tmp_path / "data", write=True, create=True)
+        peak, submitted = [0], []
+        real_submit = q.submit
+
+        def counting_submit(reqs):
+            futs = real_submit(reqs)
+            submitted.extend(futs)
+            peak[0] = max(peak[0], sum(f.request.length for f in submitted if not f.done()))
+            return futs
+
+        q.submit = counting_submit
+        try:
+            errors: dict = {}
+            futs, stalled = submit_windowed(q, _segments(fd, src, seg, "write"), partial(rf.window, 8 * seg),
+                                            10.0, errors)
+        finally:
+            q.submit = real_submit
+            os.close(fd)
+    assert not stalled and not errors and all(f.done() for f in futs) and peak[0] <= seg
+    with open(tmp_path / "data", "rb") as f:
+        assert f.read() == bytes(src.numpy())
+    pending.set_result(seg)
+    assert not rf.reading() and rf.window(8 * seg) == 8 * seg

@@ -190,6 +190,7 @@ def _size_or_keyword(name: str, value: Any, minimum: int, expected: str) -> Any:
     return value
 
 DEFAULT_WRITE_WINDOW = 64 << 20  # write_window_bytes "auto" on a drive: 2 chunks of an 8B model
+READS_FIRST_BYTES = 4 << 20  # reads_first: the writer's window (and write size) while hits' reads wait
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -234,6 +235,10 @@ class EngineConfig:
     # so more writes in flight than keep the drive busy only slow the hits' reads. "auto" = 64 MiB
     # on a drive, off where every root is on a RAM file system (copies, no queue to share).
     write_window_bytes: Any = "auto"  # resolved by build_worker (DEFAULT_WRITE_WINDOW on a drive)
+    # Writes yield to hits' reads where a write window is on (a drive): while a load's reads are
+    # in flight the writer keeps one write of READS_FIRST_BYTES in flight (tutti.io.queue.ReadsFirst).
+    # "auto" = wherever write_window_bytes is a window; true; false.
+    reads_first: Any = "auto"
     store_decode: bool = False  # also store chunks completed by generated tokens
     # How much of a hit to load (tutti.engine.hit_policy): "auto" loads only what its measured
     # read and prefill rates say is faster than recomputing; "always", "never", a registered
@@ -372,7 +377,8 @@ class EngineConfig:
                 if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                     raise ConfigError(f"{name}={v!r}: expected an integer in [{lo}, {hi}]")
                 kw[name] = v
-        for name, auto in (("mapped_loads", "RAM roots only"), ("async_loads", "where vLLM schedules asynchronously")):
+        for name, auto in (("mapped_loads", "RAM roots only"), ("async_loads", "where vLLM schedules asynchronously"),
+                           ("reads_first", "wherever write_window_bytes is a window: a drive")):
             if name in raw:
                 v = raw.pop(name)
                 if not (v == "auto" and isinstance(v, str) or isinstance(v, bool)):

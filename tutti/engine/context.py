@@ -127,6 +127,8 @@ class WorkerContext:
     # Hybrid models: the KV cache group of each layer (vLLM hands one block list per group; a
     # chunk's block ids are every group's, group after group). None: one group.
     group_of_layer: list[int] | None = None
+    # tutti.io.queue.ReadsFirst where writes yield to the loads' reads (a drive); None elsewhere
+    reads: Any = None
     num_layers: int = field(init=False)
     device: torch.device = field(init=False)
     cuda: bool = field(init=False)

@@ -360,6 +360,8 @@ class LoadPipeline:
                 reqs.append(IORequest(fd, off, self.ring.buffer, slot.offset + i * ctx.seg, ctx.seg, READ, tag=i))
             with nvtx_range("read", item.layer):
                 item.futures = submit_all(ctx.queue, reqs)
+            if ctx.reads is not None and item.futures:
+                ctx.reads.track(item.futures)  # the stores' writes yield until these land
             if self.trace is not None and len(self.trace) < 100_000:
                 self.trace.append(("read", item.layer, time.perf_counter()))
             self._next_submit += 1

@@ -19,6 +19,7 @@ start-up; on the CPU a memcpy from the host staging), then journals it as the fi
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import defaultdict
@@ -203,6 +204,12 @@ class StorePipeline:
         and still hold the run's staging regions (released by reap_stragglers once they land)."""
         ctx, store, L = self.ctx, self.ctx.store, self.ctx.num_layers
         max_io = ctx.queue.caps().max_io_bytes
+        window = ctx.cfg.write_window_bytes
+        if ctx.reads is not None and window is not None:
+            # writes small enough that a read waits for one of them at most, and a window that
+            # shrinks to one of them while the loads' reads are in flight
+            max_io = min(max_io, ctx.reads.yield_bytes)
+            window = functools.partial(ctx.reads.window, ctx.cfg.write_window_bytes)
         reqs = []
         with self._lock:
             live = [(i, st) for i, st in enumerate(run.chunks) if st.ticket in self._live]
@@ -231,8 +238,7 @@ class StorePipeline:
                                               tag=i))
             with nvtx_range("write"):
                 # at most write_window_bytes in flight: the hits' reads share the drive's queue
-                futures, stalled = submit_windowed(ctx.queue, reqs, ctx.cfg.write_window_bytes, ctx.cfg.io_timeout_s,
-                                                   errors)
+                futures, stalled = submit_windowed(ctx.queue, reqs, window, ctx.cfg.io_timeout_s, errors)
         finally:
             if stalled:
                 with self._lock:

@@ -21,14 +21,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from tutti.engine.config import EngineConfig
+from tutti.engine.config import READS_FIRST_BYTES, EngineConfig
 from tutti.engine.context import Counters, JournalView, WorkerContext
 from tutti.engine.loads import LoadPipeline
 from tutti.engine.plan import LoadChunk, StepPlan, WorkerReport
 from tutti.engine.staging import RegionArena, StagingRing
 from tutti.engine.stores import StorePipeline
 from tutti.engine.writer import Writer
-from tutti.io.queue import READ, IOQueue, IORequest, submit_all
+from tutti.io.queue import READ, IOQueue, IORequest, ReadsFirst, submit_all
 
 
 class WorkerPipeline:
@@ -44,6 +44,8 @@ class WorkerPipeline:
             raise ValueError(f"group_of_layer: {len(group_of_layer)} entries for {len(caches)} layers")
         self.ctx = WorkerContext(cfg, list(caches), layout, store, io_queue, kernel, checksum, segment_bytes,
                                  chunk_tokens, kernel_blocks_per_block, writes, mac, group_of_layer)
+        if cfg.reads_first is True or (cfg.reads_first == "auto" and isinstance(cfg.write_window_bytes, int)):
+            self.ctx.reads = ReadsFirst(READS_FIRST_BYTES)  # the stores' writes yield to the loads' reads
         slot_bytes = cfg.staging_slot_bytes  # staging vs segment sizes: checked once, in check_geometry
         if staging is None:
             from tutti.io.buffers import aligned_buffer
