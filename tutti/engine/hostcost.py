@@ -132,3 +132,15 @@ def gil_free_wait() -> Iterator[None]:
         yield
     finally:
         WAITS.add(time.perf_counter() - t0)
+
+
+def shorten_switch_interval(seconds: float | None) -> float:
+    """Lower the interpreter's GIL switch interval to `seconds` (None: leave it; never raise it);
+    returns the interval in force. Process-wide by nature: every thread's wait for the GIL held
+    by a thread running Python is bounded by it, tutti's IO completions and the step's thread's
+    alike."""
+    import sys
+
+    if seconds is not None and seconds < sys.getswitchinterval():
+        sys.setswitchinterval(seconds)
+    return sys.getswitchinterval()
