@@ -280,3 +280,12 @@ def test_reads_first_is_auto_or_a_bool():
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match=r"reads_first=.*expected \"auto\" \(wherever write_window_bytes"):
             EngineConfig.from_dict(base(reads_first=bad))
+
+
+def test_gil_switch_interval_is_auto_off_or_seconds():
+    assert EngineConfig.from_dict(base()).gil_switch_interval_s == "auto"
+    for v in ("auto", "off", 0.001, 0.1):
+        assert EngineConfig.from_dict(base(gil_switch_interval_s=v)).gil_switch_interval_s == v
+    for bad in (0, -1, 0.5, "fast", True):
+        with pytest.raises(ValueError, match=r"gil_switch_interval_s=.*expected \"auto\".*\"off\".*seconds in \(0, 0.1\]"):
+            EngineConfig.from_dict(base(gil_switch_interval_s=bad))
