@@ -255,6 +255,20 @@ def test_submit_all_validates_the_whole_list_before_the_first_window(tmp_path, b
     assert path.read_bytes() == b"\x22" * 4096
 
 
+def _count_in_flight(q):
+    """Wrap q.submit: [peak bytes submitted and not yet done, at any submission], and the real submit."""
+    peak, submitted, real_submit = [0], [], q.submit
+
+    def counting_submit(reqs):
+        futs = real_submit(reqs)
+        submitted.extend(futs)
+        peak[0] = max(peak[0], sum(f.request.length for f in submitted if not f.done()))
+        return futs
+
+    q.submit = counting_submit
+    return peak, real_submit
+
+
 @pytest.mark.parametrize("window", [None, 256 * KiB, 64 * KiB])
 def test_windowed_writes_keep_at_most_the_window_in_flight_and_write_everything(tmp_path, backend, window):
     from tutti.io.queue import submit_windowed
@@ -263,16 +277,7 @@ def test_windowed_writes_keep_at_most_the_window_in_flight_and_write_everything(
     src = _random(nbytes, seed=9)
     with open_queue(backend, queue_depth=64) as q:
         fd = q.open_file(tmp_path / "data", write=True, create=True)
-        peak, submitted = [0], []
-        real_submit = q.submit
-
-        def counting_submit(reqs):  # bytes submitted and not yet done, at each submission
-            futs = real_submit(reqs)
-            submitted.extend(futs)
-            peak[0] = max(peak[0], sum(f.request.length for f in submitted if not f.done()))
-            return futs
-
-        q.submit = counting_submit
+        peak, real_submit = _count_in_flight(q)
         try:
             errors: dict = {}
             futs, stalled = submit_windowed(q, _segments(fd, src, seg, "write"), window, 10.0, errors)
@@ -330,16 +335,7 @@ def test_writes_yield_to_tracked_reads_until_they_land(tmp_path, backend):
     assert rf.reading() and rf.window(None) is None and rf.window(8 * seg) == seg
     with open_queue(backend, queue_depth=64) as q:
         fd = q.open_file(tmp_path / "data", write=True, create=True)
-        peak, submitted = [0], []
-        real_submit = q.submit
-
-        def counting_submit(reqs):
-            futs = real_submit(reqs)
-            submitted.extend(futs)
-            peak[0] = max(peak[0], sum(f.request.length for f in submitted if not f.done()))
-            return futs
-
-        q.submit = counting_submit
+        peak, real_submit = _count_in_flight(q)
         try:
             errors: dict = {}
             futs, stalled = submit_windowed(q, _segments(fd, src, seg, "write"), partial(rf.window, 8 * seg),
