@@ -7,7 +7,8 @@ plot) with every figure as a ratio to the no-connector case of the same run.
 
 Cases: recompute (no connector), recompute_piecewise (no connector, cudagraph_mode=PIECEWISE:
 what forcing PIECEWISE would cost), tutti on /dev/shm (tutti_shm; tutti_shm_file: mapped_loads
-off, the file path; tutti_shm_defaults: every knob at its default, auto staging), tutti on disk
+off, the file path; tutti_shm_defaults: every knob at its default, auto staging; a `_gil5ms`
+suffix: CPython's own GIL switch interval instead of tutti's 0.5 ms), tutti on disk
 (O_DIRECT), vLLM's
 OffloadingConnector (CPU tier), vLLM's ExampleConnector. The warm-up stores nothing, so the
 first hit of the first length is the first load ever (it would pay any kernel compilation).
@@ -94,12 +95,15 @@ def connector_config(case: str, a) -> dict | None:
     if case.startswith("tutti"):
         # tutti_shm_file: the file path on a RAM root (mapped_loads off); tutti_shm_defaults: a
         # RAM root with every knob at its default (auto staging: are the stores all taken?)
-        root = a.disk_root if case == "tutti_disk" else a.shm_root + ("" if case == "tutti_shm" else "-" + case)
+        base, plain = (a.disk_root, "tutti_disk") if case.startswith("tutti_disk") else (a.shm_root, "tutti_shm")
+        root = base + ("" if case == plain else "-" + case)
         extra = {"root": root, "capacity_bytes": a.capacity, "chunk_tokens": 256}
-        if case != "tutti_shm_defaults":
+        if not case.startswith("tutti_shm_defaults"):
             extra.update(staging_bytes=a.staging, staging_slots=1024, max_inflight_stores=1000, lookahead=2)
-        if case == "tutti_shm_file":
+        if case in ("tutti_shm_file", "tutti_shm_file_gil5ms"):
             extra["mapped_loads"] = False
+        if case.endswith("_gil5ms"):  # CPython's own switch interval (gil_switch_interval_s "auto": 0.5 ms)
+            extra["gil_switch_interval_s"] = "off"
         return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
                 "kv_role": "kv_both", "kv_connector_extra_config": extra}
     if case == "offloading":
@@ -234,7 +238,7 @@ def run_case(case: str, a) -> dict:
         llm.reset_prefix_cache()
         (t1, o1), sync1 = count_syncs(lambda: gen([p], one))
         settled_after_s = settle()
-        if case == "tutti_disk" and a.drop_caches:
+        if case.startswith("tutti_disk") and a.drop_caches:
             try:
                 with open("/proc/sys/vm/drop_caches", "w") as f:
                     f.write("3\n")
@@ -352,7 +356,7 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     if not a.model:
         a.model = make_model(os.path.join(a.out, "model"), a.tiny, a.geometry)
-    for d in (a.disk_root, a.shm_root, a.example_root, *glob.glob(a.shm_root + "-tutti_*")):
+    for d in (a.disk_root, a.shm_root, a.example_root, *glob.glob(a.shm_root + "-tutti_*"), *glob.glob(a.disk_root + "-tutti_*")):
         shutil.rmtree(d, ignore_errors=True)
     results = []
     for case in a.cases.split(","):
@@ -395,7 +399,7 @@ def main() -> None:
         plot(table, os.path.join(a.out, "ttft.png"))
     except Exception as exc:  # noqa: BLE001
         print("plot failed:", exc)
-    for d in (a.disk_root, a.shm_root, a.example_root, *glob.glob(a.shm_root + "-tutti_*")):
+    for d in (a.disk_root, a.shm_root, a.example_root, *glob.glob(a.shm_root + "-tutti_*"), *glob.glob(a.disk_root + "-tutti_*")):
         shutil.rmtree(d, ignore_errors=True)
 
 
