@@ -348,3 +348,21 @@ def test_writes_yield_to_tracked_reads_until_they_land(tmp_path, backend):
         assert f.read() == bytes(src.numpy())
     pending.set_result(seg)
     assert not rf.reading() and rf.window(8 * seg) == 8 * seg
+
+
+def test_reads_first_counts_a_read_in_flight_whatever_order_reads_land_in():
+    from tutti.io.queue import IOFuture, ReadsFirst
+
+    buf = aligned_buffer(4 * KiB)
+    a, b, c = (IOFuture(IORequest(0, 0, buf, 0, 4 * KiB, "read")) for _ in range(3))
+    rf = ReadsFirst(4 * KiB)
+    assert not rf.reading() and rf.window(64 * KiB) == 64 * KiB and rf.yields == 0
+    rf.track([a, b])
+    rf.track([c])
+    b.set_result(4 * KiB)  # a later read lands first
+    c.set_result(4 * KiB)
+    assert rf.reading() and rf.window(64 * KiB) == 4 * KiB and rf.yields == 1
+    a.set_exception(OSError(5, "EIO"))  # a failed read is done too
+    assert not rf.reading() and rf.window(64 * KiB) == 64 * KiB
+    with pytest.raises(ValueError, match="yield_bytes=0"):
+        ReadsFirst(0)

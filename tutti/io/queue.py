@@ -8,6 +8,7 @@ The engine never knows which backend it talks to.
 from __future__ import annotations
 
 import abc
+import collections
 import errno as _errno
 import os
 import threading
@@ -306,7 +307,7 @@ class ReadsFirst:
             raise ValueError(f"yield_bytes={yield_bytes!r}: expected a positive size")
         self.yield_bytes = yield_bytes
         self._lock = threading.Lock()
-        self._reads: list[IOFuture] = []
+        self._reads: collections.deque[IOFuture] = collections.deque()
         self.yields = 0  # windows handed out shrunk (a writer waited for reads)
 
     def track(self, futures: Iterable[IOFuture]) -> None:
@@ -315,10 +316,14 @@ class ReadsFirst:
             self._reads.extend(futures)
 
     def reading(self) -> bool:
+        """Whether a tracked read is in flight. Reads land about in the order they were
+        submitted: the done ones are dropped from the front, so a call costs O(1) amortized
+        (a 32k hit tracks thousands of segment reads; the writer asks before every write)."""
         with self._lock:
-            if self._reads:
-                self._reads = [f for f in self._reads if not f.done()]
-            return bool(self._reads)
+            reads = self._reads
+            while reads and reads[0].done():
+                reads.popleft()
+            return bool(reads)
 
     def window(self, base: int | None) -> int | None:
         """The writer's window now: `base`, or at most `yield_bytes` while reads are in flight.
