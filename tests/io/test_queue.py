@@ -366,3 +366,15 @@ def test_reads_first_counts_a_read_in_flight_whatever_order_reads_land_in():
     assert not rf.reading() and rf.window(64 * KiB) == 64 * KiB
     with pytest.raises(ValueError, match="yield_bytes=0"):
         ReadsFirst(0)
+
+
+def test_reads_first_keeps_only_reads_in_flight_while_no_writer_asks():
+    from tutti.io.queue import IOFuture, ReadsFirst
+
+    buf = aligned_buffer(4 * KiB)
+    rf = ReadsFirst(4 * KiB)
+    for _ in range(1000):  # a server that loads and never stores
+        fut = IOFuture(IORequest(0, 0, buf, 0, 4 * KiB, "read"))
+        rf.track([fut])
+        fut.set_result(4 * KiB)
+    assert len(rf._reads) <= 1

@@ -240,7 +240,7 @@ class EngineConfig:
     write_window_bytes: Any = "auto"  # resolved by build_worker (DEFAULT_WRITE_WINDOW on a drive)
     # Writes yield to hits' reads where a write window is on (a drive): while a load's reads are
     # in flight the writer keeps one write of READS_FIRST_BYTES in flight (tutti.io.queue.ReadsFirst).
-    # "auto" = wherever write_window_bytes is a window; true; false.
+    # "auto" or true = wherever write_window_bytes is a window (a RAM root has none); false.
     reads_first: Any = "auto"
     # The interpreter's GIL switch interval in the worker's process, lowered at start-up (never
     # raised): a thread that wakes to finish IO waits up to this long for the GIL while another

@@ -44,7 +44,7 @@ class WorkerPipeline:
             raise ValueError(f"group_of_layer: {len(group_of_layer)} entries for {len(caches)} layers")
         self.ctx = WorkerContext(cfg, list(caches), layout, store, io_queue, kernel, checksum, segment_bytes,
                                  chunk_tokens, kernel_blocks_per_block, writes, mac, group_of_layer)
-        if cfg.reads_first is True or (cfg.reads_first == "auto" and isinstance(cfg.write_window_bytes, int)):
+        if cfg.reads_first is not False and isinstance(cfg.write_window_bytes, int):  # a drive: a window is on
             self.ctx.reads = ReadsFirst(READS_FIRST_BYTES)  # the stores' writes yield to the loads' reads
         slot_bytes = cfg.staging_slot_bytes  # staging vs segment sizes: checked once, in check_geometry
         if staging is None:

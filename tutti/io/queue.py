@@ -313,17 +313,22 @@ class ReadsFirst:
     def track(self, futures: Iterable[IOFuture]) -> None:
         """Reads just submitted: writers yield until they are done."""
         with self._lock:
+            self._drop_landed()  # bounded while no writer asks (a server that only loads)
             self._reads.extend(futures)
 
     def reading(self) -> bool:
-        """Whether a tracked read is in flight. Reads land about in the order they were
-        submitted: the done ones are dropped from the front, so a call costs O(1) amortized
-        (a 32k hit tracks thousands of segment reads; the writer asks before every write)."""
+        """Whether a tracked read is in flight."""
         with self._lock:
-            reads = self._reads
-            while reads and reads[0].done():
-                reads.popleft()
-            return bool(reads)
+            self._drop_landed()
+            return bool(self._reads)
+
+    def _drop_landed(self) -> None:
+        """Reads land about in the order they were submitted: the done ones are dropped from the
+        front, O(1) amortized (a 32k hit tracks thousands of segment reads, and the writer asks
+        before every write)."""
+        reads = self._reads
+        while reads and reads[0].done():
+            reads.popleft()
 
     def window(self, base: int | None) -> int | None:
         """The writer's window now: `base`, or at most `yield_bytes` while reads are in flight.
