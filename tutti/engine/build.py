@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from tutti.engine import claims
-from tutti.engine.config import DEFAULT_GIL_SWITCH_INTERVAL, DEFAULT_WRITE_WINDOW, ConfigError, EngineConfig
+from tutti.engine.config import DEFAULT_WRITE_WINDOW, ConfigError, EngineConfig
 from tutti.engine.geometry import Geometry  # noqa: F401 - also imported from here (its old home)
 from tutti.engine.planner import Planner, rebuild_entries
 from tutti.engine.worker import WorkerPipeline
@@ -290,8 +290,7 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
         max_open_slabs=cfg.max_open_slabs, map_ram=False, writer_id=writer))  # the file path: see ReplicaReader
     from tutti.engine.hostcost import shorten_switch_interval
 
-    interval = cfg.gil_switch_interval_s
-    shorten_switch_interval(DEFAULT_GIL_SWITCH_INTERVAL if interval == "auto" else None if interval == "off" else interval)
+    shorten_switch_interval(None if cfg.gil_switch_interval_s == "off" else cfg.gil_switch_interval_s)
     try:
         return WorkerPipeline(cfg, caches=caches, layout=layout, store=store, io_queue=q, kernel=kernel,
                               checksum=segment_checksum, segment_bytes=geom.segment_bytes,
