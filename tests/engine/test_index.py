@@ -122,3 +122,22 @@ def test_index_memory_follows_the_chunks_stored_not_the_capacity():
     assert peak < 1 << 20
     assert sorted(res.slots.values()) == [0, 1, 2, 3, 4, 6, 7, 8, 10, 11]  # the holes first, then new slots
     idx.check_invariants()
+
+
+def test_a_prefix_touched_or_stored_in_order_is_given_up_from_its_end():
+    """lookup_prefix and touch_prefix take keys in prefix order and touch the tail first: an
+    LRU index then evicts a prefix from its end (a hit needs every chunk before the loaded ones)."""
+    from tutti.engine.index import ChunkIndex
+
+    idx = ChunkIndex(4)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    idx.plan_store(keys)
+    for k in keys:  # stored head first, as a prompt's chunks are
+        idx.commit(k)
+    assert idx.lookup_prefix(keys) == 4
+    assert idx.plan_store([b"n" * 32]).evicted == [keys[3]]
+    idx.commit(b"n" * 32)
+    idx.touch_prefix(keys[:3] + [b"gone" * 8])  # the non-resident are skipped
+    assert idx.plan_store([b"m" * 32]).evicted == [b"n" * 32]
+    assert idx.plan_store([b"o" * 32]).evicted == [keys[2]]
+    idx.check_invariants()

@@ -128,3 +128,27 @@ def test_identity_changes_keys_and_unkeyable_requests_are_neither_served_nor_sto
     assert p.match("c", toks, 0, identity=bad) == 0 and p.stats.unkeyed_requests == 1
     p.update_request("c", all_block_ids=list(range(4, 8)))
     assert not p.build_step({"c": len(toks)}, {"c": 0}).stores  # and never stored
+
+
+def test_a_full_store_gives_up_a_prefix_from_its_end():
+    """A hit needs every chunk before the ones it loads, so a full store must evict a prefix from
+    its end: with its first chunk gone, the rest stays resident and no hit reaches it (LRU used to
+    take a prompt's first chunk first: it was stored and touched first)."""
+    p = planner(num_slots=6)
+    a, b, c = list(range(4 * T + 1)), list(range(1000, 1000 + 2 * T + 1)), list(range(2000, 2000 + 2 * T + 1))
+    plan = run_prefill(p, "a", a, list(range(1, 10)))
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    plan = run_prefill(p, "b", b, list(range(20, 25)))
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    assert len(p.index) == 6
+    plan = run_prefill(p, "c", c, list(range(30, 35)))  # two more chunks: two evicted
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    assert p.match("a2", a, 0) == 2 * T  # a's first two chunks kept, its last two given up
+    assert p.match("b2", b, 0) == 2 * T and p.match("c2", c, 0) == 2 * T
+    # a hit makes its prefix the most recent, head last: the next eviction takes the tail of the
+    # least recently hit prefix (b), never a head
+    assert p.match("a3", a, 0) == 2 * T
+    plan = run_prefill(p, "d", list(range(3000, 3000 + T + 1)), [40, 41, 42])
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    assert p.match("b3", b, 0) == T and p.match("a4", a, 0) == 2 * T and p.match("c3", c, 0) == 2 * T
+    p.index.check_invariants()

@@ -305,3 +305,30 @@ def test_a_hit_past_the_steps_load_budget_loads_asynchronously(tiny_model, tmp_p
     assert res[1]["hit"] == CHUNK and res[1]["async"] == 0, res  # within it: in the step
     assert [r["tokens"] for r in res] == ref
     assert stats["loads_failed"] == 0
+
+
+def test_a_full_store_gives_up_an_older_prompt_from_its_end(tiny_model, tmp_path, reference):
+    """A store of six chunks, a prompt of four, then another of four: two chunks are evicted, and
+    they are the first prompt's last two, so it still hits its first two (with its first chunk
+    evicted, as LRU did, its three other resident chunks were unreachable and it hit nothing).
+    Tokens equal recompute's."""
+    a, b = prompt(81, 4 * CHUNK + 10), prompt(82, 4 * CHUNK + 10)
+    ref = reference([a])
+    chunk_bytes = CHUNK * 2 * 2 * 64 * 4 * 2  # tokens x KV heads x (K|V) x head_dim x fp32 x layers
+    kvt = harness.kv_config(tmp_path / "kv", chunk=CHUNK, capacity=6 * chunk_bytes)
+    code = (
+        "import json, harness\n"
+        f"llm = harness.make_llm({str(tiny_model)!r}, kv_transfer_config={kvt!r}, enable_prefix_caching=False)\n"
+        "out = []\n"
+        f"for p in [{a!r}, {b!r}, {a!r}]:\n"
+        "    o = harness.generate_ids(llm, [p], 8)[0]\n"
+        "    harness.settle(llm)\n"
+        "    out.append({'tokens': list(o.outputs[0].token_ids), 'cached': o.num_cached_tokens})\n"
+        "print('RESULT', json.dumps(out))\n"
+        "print('STATS', json.dumps(vars(harness.connector(llm).planner.stats)))\n"
+        "harness.shutdown_llm(llm)\n"
+    )
+    res, stats = results_of(code)
+    assert [r["cached"] for r in res] == [0, 0, 2 * CHUNK], res
+    assert res[2]["tokens"] == ref[0]
+    assert stats["stores_committed"] == 4 + 4 + 2 and stats["loads_failed"] == 0  # a's tail stored again

@@ -58,16 +58,25 @@ class ChunkIndex:
         return len(self._resident) + len(self._pending)
 
     def lookup_prefix(self, keys: Sequence[bytes], touch: bool = True) -> int:
-        """Length of the longest run of resident chunks at the start of `keys`."""
+        """Length of the longest run of resident chunks at the start of `keys`. Touched tail
+        first, so a prefix's first chunk ends up the most recently used of them: a hit needs
+        every chunk before the ones it loads, and a policy by recency then gives up a prefix
+        from its end (touched head first, LRU evicted its first chunk first, and the rest of
+        the prefix stayed resident with no hit able to reach it)."""
         n = 0
         for key in keys:
             if key not in self._resident:
                 break
             n += 1
         if touch:
-            for key in keys[:n]:
-                self.eviction.touched(key)
+            self.touch_prefix(keys[:n])
         return n
+
+    def touch_prefix(self, keys: Sequence[bytes]) -> None:
+        """A hit used these chunks of one prefix (in prefix order): touched tail first."""
+        for key in reversed(keys):
+            if key in self._resident:
+                self.eviction.touched(key)
 
     # -- pins ----------------------------------------------------------------------------
     def pin(self, keys: Iterable[bytes]) -> None:

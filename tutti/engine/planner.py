@@ -264,16 +264,18 @@ class Planner:
         """Where each chunk of the longest stored prefix of `keys` is: (None, slot) in our own
         store (touched: recently used), else (writer, slot) in another writer's."""
         out: list[tuple[str | None, int]] = []
+        own: list[bytes] = []
         for key in keys:
             slot = self.index.slot_of(key)
             if slot is not None:
-                self.index.lookup_prefix([key])
+                own.append(key)
                 out.append((None, slot))
                 continue
             hit = self.foreign.get(key) if self.foreign is not None else None
             if hit is None:
                 break
             out.append(hit)
+        self.index.touch_prefix(own)  # tail first: the prefix's head ends the most recently used
         return out
 
     def _per_group(self, block_ids) -> list[list[int]]:
@@ -563,6 +565,7 @@ class Planner:
             tk = self._tickets.pop(t, None)
             if tk is not None and self.index.abort(tk.key):
                 s.stores_failed += 1
+        ready: list[_Ticket] = []
         for t in report.stored:
             tk = self._tickets.get(t)
             if tk is None:
@@ -570,10 +573,20 @@ class Planner:
             tk.ok += 1  # vLLM's KVOutputAggregator concatenates every worker's report: one entry per rank
             if tk.ok >= self.num_writers:
                 del self._tickets[t]
-                if self.index.commit(tk.key):
-                    s.stores_committed += 1
-                    if not tk.state:
-                        self._events.append(("stored", [tk.key]))
+                ready.append(tk)
+        # Committed tail first (a request's stores come in chunk order), then each request's whole
+        # resident prefix touched tail first: its first chunks become the most recently used, so a
+        # policy by recency evicts a prefix from its end, never the chunk every hit needs first.
+        committed = {id(tk) for tk in reversed(ready) if self.index.commit(tk.key)}
+        for tk in ready:  # events in chunk order (a child's parent announced first)
+            if id(tk) in committed:
+                s.stores_committed += 1
+                if not tk.state:
+                    self._events.append(("stored", [tk.key]))
+        for req_id in dict.fromkeys(tk.req_id for tk in ready if id(tk) in committed):
+            r = self._reqs.get(req_id)
+            if r is not None:
+                self.index.lookup_prefix(r.keys)
         for key in set(report.load_failed):
             s.loads_failed += 1
             where = self._foreign_loads.pop(key, None)

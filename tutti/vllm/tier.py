@@ -205,8 +205,8 @@ class TuttiTier(SecondaryTierManager):
         return LookupResult.HIT if self._key(key) in self._index else LookupResult.MISS
 
     def touch(self, keys, req_context):
-        for k in keys:
-            self._index.lookup_prefix([self._key(k)])
+        # a prefix's keys, in order: touched tail first, so recency gives a prefix up from its end
+        self._index.touch_prefix([self._key(k) for k in keys])
 
     def submit_store(self, job_metadata) -> None:
         keys = [self._key(k) for k in job_metadata.keys]
@@ -254,7 +254,7 @@ class TuttiTier(SecondaryTierManager):
                         self.loads_failed += 1
                         self._index.drop(k)  # not trusted again; its slot was journaled free
             else:
-                for k, good in ok.items():
+                for k, good in reversed(list(ok.items())):  # a job's keys in prefix order: the tail first
                     (self._index.commit if good else self._index.abort)(k)
             out.append(JobResult(job_id=job_id, success=all(ok.values()) if ok else not is_load))
         self._jobs = still
