@@ -92,14 +92,17 @@ def test_a_corrupted_chunk_fails_its_load_and_is_not_served_again(tmp_path):
     t2.shutdown()
 
 
-def test_capacity_evicts_least_recently_used(tmp_path):
+def test_capacity_evicts_least_recently_used_and_a_prefix_from_its_end(tmp_path):
     region = primary()
     slot_bytes = -(-CHUNK // 4096) * 4096
     t = tier(tmp_path, region, capacity=3 * slot_bytes)
-    assert run(t, job(1, KEYS[:3], [0, 1, 2], False))
+    assert run(t, job(1, KEYS[:3], [0, 1, 2], False))  # a prefix, in order: given up from its end
     t.touch([KEYS[0]], None)
-    assert run(t, job(2, [KEYS[3]], [3], False))  # evicts KEYS[1], the least recently used
-    assert [t.lookup(k, None) == LookupResult.HIT for k in KEYS] == [True, False, True, True]
+    assert run(t, job(2, [KEYS[3]], [3], False))  # evicts KEYS[2], the prefix's last chunk
+    assert [t.lookup(k, None) == LookupResult.HIT for k in KEYS] == [True, True, False, True]
+    t.touch([KEYS[0], KEYS[1]], None)  # a hit on the prefix: its head the most recent
+    assert run(t, job(3, [KEYS[2]], [2], False))  # evicts KEYS[3], least recently used
+    assert [t.lookup(k, None) == LookupResult.HIT for k in KEYS] == [True, True, True, False]
     t.shutdown()
 
 
