@@ -141,3 +141,14 @@ def test_a_prefix_touched_or_stored_in_order_is_given_up_from_its_end():
     assert idx.plan_store([b"m" * 32]).evicted == [b"n" * 32]
     assert idx.plan_store([b"o" * 32]).evicted == [keys[2]]
     idx.check_invariants()
+
+
+def test_rebuild_keeps_the_journals_order_as_recency():
+    from tutti.engine.index import ChunkIndex
+
+    idx = ChunkIndex(4)
+    idx.rebuild({3: b"c" * 32, 0: b"a" * 32, 2: b"b" * 32})  # stored c, a, b: c the oldest
+    assert idx.plan_store([b"n" * 32]).evicted == []  # slot 1 is free
+    idx.commit(b"n" * 32)
+    assert idx.plan_store([b"m" * 32]).evicted == [b"c" * 32]
+    idx.check_invariants()

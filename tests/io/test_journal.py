@@ -178,6 +178,25 @@ def test_compaction_keeps_exactly_the_live_state(tmp_path):
     assert Journal(path, writer=False).entries == model
 
 
+def test_replay_and_compaction_keep_the_order_chunks_were_stored_in(tmp_path):
+    """The index rebuilds its recency from the journal's order (a prefix stored tail first is
+    given up from its end after a restart too), so a replay and a compaction keep it."""
+    path = str(tmp_path / "j")
+    j = Journal(path, writer=True)
+    for slot in (5, 2, 7, 0):
+        j.append_put(key(slot), slot, sums(slot))
+    j.append_free([5])
+    j.append_put(key(50), 5, sums(50))  # a freed slot put again: the newest
+    j.sync()
+    assert list(j.entries) == [2, 7, 0, 5]
+    j.close()
+    assert list(Journal(path, writer=False).entries) == [2, 7, 0, 5]
+    j = Journal(path, writer=True)
+    assert j.compact()
+    j.close()
+    assert list(Journal(path, writer=False).entries) == [2, 7, 0, 5]
+
+
 @pytest.mark.parametrize("leftover", [b"", b"garbage", "partial"])
 def test_compaction_killed_before_rename(tmp_path, leftover):
     path = str(tmp_path / "j")

@@ -153,11 +153,13 @@ class ChunkIndex:
 
     # -- start-up ------------------------------------------------------------------------
     def rebuild(self, entries: Mapping[int, bytes]) -> None:
-        """Load resident chunks from the store's journal (slot -> key), in slot order."""
+        """Load resident chunks from the store's journal (slot -> key), in the order they were
+        stored (the journal's): the oldest first to evict, and a prefix's chunks, stored tail
+        first, still given up from their end after a restart."""
         if self._resident or self._pending:
             raise RuntimeError("rebuild() needs an empty index")
         taken = set()
-        for slot, key in sorted(entries.items()):
+        for slot, key in entries.items():
             if 0 <= slot < self.num_slots and key not in self._resident:
                 self._resident[key] = slot
                 self.eviction.inserted(key)

@@ -743,7 +743,9 @@ class Journal:
     def compact(self) -> bool:
         """Rewrite the file as the live state only. Returns False if the disk was full."""
         self._flush()  # the live state below includes the buffered records: write those first
-        data = b"".join(encode_put(e.key, s, e.checksums) for s, e in sorted(self.entries.items()))
+        # in the order the chunks were stored (entries keep it: a slot is freed before it is put
+        # again), so a replay after compaction rebuilds the same recency (ChunkIndex.rebuild)
+        data = b"".join(encode_put(e.key, s, e.checksums) for s, e in self.entries.items())
         self._remove_tmp()
         # exclusive and never through a link: a planted temp (or link) is removed above, not written
         fd = self._open(os.O_RDWR | os.O_CREAT | os.O_EXCL, tmp=True)
