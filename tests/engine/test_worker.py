@@ -976,3 +976,30 @@ def test_the_worker_lowers_the_gil_switch_interval_never_raises_it(tmp_path, set
     finally:
         sys.setswitchinterval(before)
 
+
+
+def test_chunks_after_a_skipped_one_of_their_request_are_not_stored(tmp_path):
+    """A hit needs every chunk from a prompt's first: once a request's chunk is skipped (no free
+    staging region), its later chunks are skipped too until it finishes, leaving staging and the
+    drive to stores a hit can reach; other requests are stored as before."""
+    src = make_caches(0)
+    w = worker(tmp_path, src)
+    try:
+        n = sum(count for _, count in w.stores.arena.take(10_000))  # the arena's whole room, in regions
+        w.stores.arena.release(0, n)
+        fill = [StoreChunk("q", bytes([100 + i]) * 32, i, (i % B, (i + 1) % B), ticket=100 + i) for i in range(n)]
+        first = StoreChunk("r", bytes([1]) * 32, 40, (0, 1), ticket=1)
+        run_step(w, StepPlan(1, stores=fill + [first]))  # the arena is full: r's first chunk is skipped
+        w.flush()
+        later = StoreChunk("r", bytes([2]) * 32, 41, (2, 3), ticket=2)
+        other = StoreChunk("s", bytes([3]) * 32, 42, (4, 5), ticket=3)
+        run_step(w, StepPlan(2, stores=[later, other]))
+        w.flush()
+        rep = w.take_report()
+        assert sorted(rep.store_failed) == [1, 2] and rep.stores_skipped == 2
+        assert 3 in rep.stored and all(100 + i in rep.stored for i in range(n))
+        assert w.stores.leftovers()["holed"] == 1
+        w.finished_requests({"r", "q", "s"})
+        assert w.stores.leftovers()["holed"] == 0
+    finally:
+        w.close()

@@ -63,6 +63,12 @@ class StorePipeline:
         self._inflight: dict[str, int] = defaultdict(int)
         self._had_stores: set[str] = set()
         self._finished: set[str] = set()
+        # Requests with a chunk not stored (skipped or failed): their later chunks are not stored
+        # either until they finish. A hit needs every chunk from a prompt's first, so those could
+        # not be reached until another request stores the missing one, and that request computes
+        # (and stores) the ones after it too; skipping them leaves staging and the drive to
+        # stores that can be hit.
+        self._holed: set[str] = set()
         # Writes past io_timeout_s (a stalled file system): their chunks failed, but the kernel
         # may still land them, so their staging regions and slab descriptors stay held until then.
         self._stragglers: list[tuple[list, list[int], int, int]] = []  # (futures, pinned slots, first, count)
@@ -86,6 +92,14 @@ class StorePipeline:
         """After the step's forward: gather every admitted chunk and hand it to the writer."""
         if not stores or not self.ctx.writes:
             return
+        if self._holed and self.ctx.num_groups == 1:  # (hybrid models: a state entry is no hole)
+            with self._lock:
+                after = [st for st in stores if st.req_id in self._holed]
+            if after:
+                self._skip(after, "an earlier chunk of its request was not stored (no hit reaches these)")
+                stores = [st for st in stores if st.req_id not in self._holed]
+                if not stores:
+                    return
         runs = self.arena.take(len(stores))
         admitted = sum(count for _, count in runs)
         if admitted < len(stores):
@@ -317,6 +331,8 @@ class StorePipeline:
         failed (a write or sync error, a full disk): both free their slots, only the first is
         counted in stores_skipped, so stores_failed - stores_skipped counts IO failures."""
         log.debug("tutti: dropping %d stores: %s", len(stores), why)
+        with self._lock:
+            self._holed.update(st.req_id for st in stores)
         if skipped and not self._warned_skip:
             self._warned_skip = True
             log.warning("tutti: %d stores skipped (%s): the storage writes slower than prefill fills the staging; "
@@ -341,6 +357,7 @@ class StorePipeline:
     def finished_requests(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose stores are all done, among those vLLM says have finished."""
         with self._lock:
+            self._holed -= finished_req_ids
             self._finished |= {r for r in finished_req_ids if r in self._had_stores}
             out = {r for r in self._finished if self._inflight.get(r, 0) <= 0}
             for r in out:
@@ -357,4 +374,4 @@ class StorePipeline:
     def leftovers(self) -> dict[str, int]:
         """Bookkeeping still held (a soak test checks that it drains)."""
         with self._lock:
-            return {"tickets": len(self._live), "inflight": sum(self._inflight.values())}
+            return {"tickets": len(self._live), "inflight": sum(self._inflight.values()), "holed": len(self._holed)}
