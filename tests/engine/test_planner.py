@@ -152,3 +152,24 @@ def test_a_full_store_gives_up_a_prefix_from_its_end():
     p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
     assert p.match("b3", b, 0) == T and p.match("a4", a, 0) == 2 * T and p.match("c3", c, 0) == 2 * T
     p.index.check_invariants()
+
+
+def test_no_store_is_planned_after_a_chunk_of_its_request_failed():
+    """A store the worker skipped (or that failed) leaves a hole no hit can pass: the request's
+    later chunks are not planned, so no resident chunk is evicted to make room for them."""
+    p = planner(num_slots=4)
+    full = list(range(5000, 5000 + 2 * T + 1))
+    plan = run_prefill(p, "x", full, [50, 51, 52, 53, 54])
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))  # two resident chunks
+    toks = list(range(4 * T + 1))
+    p.match("a", toks, 0)
+    p.on_alloc("a", list(range(1, 10)), 0)
+    p.update_request("a", tokens=toks, all_block_ids=list(range(1, 10)))
+    plan = p.build_step({"a": 2 * T}, {"a": 0})  # a's first two chunks
+    assert len(plan.stores) == 2
+    p.on_report(WorkerReport(store_failed=[plan.stores[0].ticket], stored=[plan.stores[1].ticket]))
+    before = p.stats.copy()
+    plan = p.build_step({"a": 2 * T + 1}, {"a": 2 * T})  # its last two
+    d = p.stats.since(before)
+    assert not plan.stores and d["stores_declined"] == 2 and d["evictions"] == 0
+    assert p.match("x2", full, 0) == 2 * T  # x's chunks were not evicted for them

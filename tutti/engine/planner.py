@@ -74,6 +74,7 @@ class _Request:
     declined: int = 0  # hit tokens the policy chose to recompute at the last lookup
     prompt_len: int = 0  # the prompt's tokens (tokens grows with generated ones under store_decode)
     load_async: bool = False  # the last lookup's hit goes asynchronously (past the step's sync budget)
+    holed: bool = False  # a chunk's store failed or was skipped: no hit reaches its later chunks
 
 
 @dataclass
@@ -430,6 +431,10 @@ class Planner:
                 continue  # every chunk of its tokens was planned: a decoding request has nothing to store
             limit = min(done_tokens, len(r.tokens)) // self.chunk_tokens
             limit = min(limit, len(r.keys), min(len(g) for g in r.block_ids) // self.blocks_per_chunk)
+            if r.holed:  # not planned: planning evicts resident chunks for stores no hit could reach
+                self.stats.stores_declined += max(0, limit - r.next_store_chunk)
+                r.next_store_chunk = max(r.next_store_chunk, limit)
+                continue
             for c in range(r.next_store_chunk, limit):
                 want.append((r, c, False))
             if self.state_groups and limit and done_tokens == limit * self.chunk_tokens and not r.unkeyed \
@@ -445,9 +450,7 @@ class Planner:
                      and not (self.foreign is not None and k in self.foreign)]
             if fresh and not isinstance(self.admission, AdmitAll):
                 fresh = self._admitted(fresh, want, keys)
-            for k in keys:
-                if k in self.index:
-                    self.index.lookup_prefix([k])  # touch: recently used again
+            self.index.touch_prefix(keys)  # the resident ones used again, tail first
             res = self.index.plan_store(fresh)
             if res.evicted:
                 self.stats.evictions += len(res.evicted)
@@ -565,6 +568,9 @@ class Planner:
             tk = self._tickets.pop(t, None)
             if tk is not None and self.index.abort(tk.key):
                 s.stores_failed += 1
+            r = self._reqs.get(tk.req_id) if tk is not None and not tk.state else None
+            if r is not None:
+                r.holed = True  # its later chunks are not planned (the worker skips those in flight)
         ready: list[_Ticket] = []
         for t in report.stored:
             tk = self._tickets.get(t)
