@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import time
 from typing import Callable, Iterator
@@ -139,8 +140,6 @@ def shorten_switch_interval(seconds: float | None) -> float:
     returns the interval in force. Process-wide by nature: every thread's wait for the GIL held
     by a thread running Python is bounded by it, tutti's IO completions and the step's thread's
     alike."""
-    import sys
-
     if seconds is not None and seconds < sys.getswitchinterval():
         sys.setswitchinterval(seconds)
     return sys.getswitchinterval()

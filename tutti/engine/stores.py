@@ -93,11 +93,12 @@ class StorePipeline:
         if not stores or not self.ctx.writes:
             return
         if self._holed and self.ctx.num_groups == 1:  # (hybrid models: a state entry is no hole)
-            with self._lock:
-                after = [st for st in stores if st.req_id in self._holed]
+            with self._lock:  # one look: the writer thread adds to _holed as its writes fail
+                holed = set(self._holed)
+            after = [st for st in stores if st.req_id in holed]
             if after:
                 self._skip(after, "an earlier chunk of its request was not stored (no hit reaches these)")
-                stores = [st for st in stores if st.req_id not in self._holed]
+                stores = [st for st in stores if st.req_id not in holed]
                 if not stores:
                     return
         runs = self.arena.take(len(stores))
