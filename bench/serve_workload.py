@@ -124,6 +124,9 @@ VARIANTS: dict[str, dict] = {
     # a GIL switch interval of 0.5 ms in the engine core's process (CPython's own: 5 ms)
     "tutti_shm_gil05ms": {"gil_switch_interval_s": 0.0005},
     "tutti_disk_gil05ms": {"gil_switch_interval_s": 0.0005},
+    # how stores reach the mapped slots (mapped_store_copy; the default "dma_chunk")
+    "tutti_shm_dma": {"mapped_store_copy": "dma"},
+    "tutti_shm_host": {"mapped_store_copy": "host"},
 }
 
 
@@ -332,6 +335,30 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def host_memory_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_memory(cases: list[str], a) -> None:
+    """Servers that start together each hold --capacity of host memory (the OffloadingConnector
+    pins it, a /dev/shm root maps it): refuse before starting any when it is not there, instead of
+    engine cores killed mid-start (what leftover /dev/shm roots of another command did once)."""
+    held = [c for c in cases if c == "offloading" or c.startswith("tutti_shm")]
+    need = a.capacity_bytes * (1 if a.sequential else len(held))
+    have = host_memory_available()
+    if held and have is not None and need > have:
+        raise SystemExit(f"--cases {','.join(held)}: they hold {need / 2**30:.0f} GiB of host memory at once "
+                         f"(--capacity {a.capacity} each) and {have / 2**30:.0f} GiB is available; run with "
+                         "--sequential, a smaller --capacity, or free /dev/shm (leftover roots: ls /dev/shm)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="/tmp/serve_workload")
@@ -391,6 +418,7 @@ def main() -> None:
         dataset = os.path.join(a.out, "multi_turn.jsonl")
         multi_turn_dataset(dataset, a)
     cases = a.cases.split(",")
+    check_host_memory(cases, a)
     results = []
     # Every case's server starts at once (each holds its own GPU memory: weights, its KV cache
     # and the connector's buffers); the benchmarks then run one at a time, so each has the GPU to

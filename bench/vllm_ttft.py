@@ -8,7 +8,8 @@ plot) with every figure as a ratio to the no-connector case of the same run.
 Cases: recompute (no connector), recompute_piecewise (no connector, cudagraph_mode=PIECEWISE:
 what forcing PIECEWISE would cost), tutti on /dev/shm (tutti_shm; tutti_shm_file: mapped_loads
 off, the file path; tutti_shm_defaults: every knob at its default, auto staging; a `_gil05ms`
-suffix: a GIL switch interval of 0.5 ms instead of CPython's 5 ms), tutti on disk
+suffix: a GIL switch interval of 0.5 ms instead of CPython's 5 ms; a `_dma_chunk` or `_host`
+suffix: `mapped_store_copy`, how stores reach the mapped slots), tutti on disk
 (O_DIRECT), vLLM's
 OffloadingConnector (CPU tier), vLLM's ExampleConnector. The warm-up stores nothing, so the
 first hit of the first length is the first load ever (it would pay any kernel compilation).
@@ -19,8 +20,9 @@ For each prompt length:
   16 greedy tokens from a hit, compared across cases; a later hit, timed
 Decode: time per output token of 16 requests x 128 tokens whose prompts are shorter than a
 chunk (idle: nothing to store), and of 8 requests whose 2048-token prompts are being stored
-while they decode. The storage ceiling (raw reads of tutti's slab files through io_uring and
-threads in the same run) sits next to tutti's load throughput.
+while they decode. With --ceiling, the storage ceiling (raw reads of tutti's slab files through
+io_uring and threads in the same run) sits next to tutti's load throughput. Each case's root is
+removed once the case is done (a RAM root holds --capacity of host memory).
 
     python3 bench/vllm_ttft.py --out results/ttft [--lengths 8192,32768] [--eager] [--tiny]
 """
@@ -89,21 +91,28 @@ def run_joining(eng, requests: dict[str, tuple[list[int], int]], join: dict[str,
     return out
 
 
+def case_root(case: str, a) -> str:
+    """A tutti case's root: each case its own, so no case loads what another stored."""
+    base, plain = (a.disk_root, "tutti_disk") if case.startswith("tutti_disk") else (a.shm_root, "tutti_shm")
+    return base + ("" if case == plain else "-" + case)
+
+
 def connector_config(case: str, a) -> dict | None:
     if case.startswith("recompute"):
         return None
     if case.startswith("tutti"):
         # tutti_shm_file: the file path on a RAM root (mapped_loads off); tutti_shm_defaults: a
         # RAM root with every knob at its default (auto staging: are the stores all taken?)
-        base, plain = (a.disk_root, "tutti_disk") if case.startswith("tutti_disk") else (a.shm_root, "tutti_shm")
-        root = base + ("" if case == plain else "-" + case)
-        extra = {"root": root, "capacity_bytes": a.capacity, "chunk_tokens": 256}
+        extra = {"root": case_root(case, a), "capacity_bytes": a.capacity, "chunk_tokens": 256}
         if not case.startswith("tutti_shm_defaults"):
             extra.update(staging_bytes=a.staging, staging_slots=1024, max_inflight_stores=1000, lookahead=2)
         if case in ("tutti_shm_file", "tutti_shm_file_gil05ms"):
             extra["mapped_loads"] = False
         if case.endswith("_gil05ms"):  # a GIL switch interval of 0.5 ms (CPython's own: 5 ms)
             extra["gil_switch_interval_s"] = 0.0005
+        for copy in ("dma_chunk", "host"):  # how stores reach the mapped slots (default: "dma")
+            if case.endswith("_" + copy):
+                extra["mapped_store_copy"] = copy
         return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
                 "kv_role": "kv_both", "kv_connector_extra_config": extra}
     if case == "offloading":
@@ -345,6 +354,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=170)
     ap.add_argument("--geometry", default="8b", choices=("8b", "70b"))
     ap.add_argument("--no-decode", action="store_true", help="skip the decode measurements")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also read tutti_shm's and tutti_disk's slab files raw (the storage ceiling; minutes)")
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
     from tutti.engine.config import parse_bytes
@@ -379,12 +390,16 @@ def main() -> None:
         except subprocess.TimeoutExpired as exc:
             results.append({"case": case, "error": f"timeout after {a.timeout}s: {str(exc.stderr)[-2000:]}"})
         results[-1]["wall_s"] = time.time() - t0
+        if case.startswith("tutti") and not (a.ceiling and case in ("tutti_shm", "tutti_disk")):
+            # a RAM root holds --capacity of host memory: the next case (or the next command on the
+            # machine) must not start without it
+            shutil.rmtree(case_root(case, a), ignore_errors=True)
         print(f"{case}: {time.time() - t0:.0f}s {'ERROR' if 'error' in results[-1] else 'ok'}", flush=True)
         with open(os.path.join(a.out, "ttft.json"), "w") as f:
             json.dump(results, f, indent=1)
     ceil = {}
     for name, root in (("disk", a.disk_root), ("shm", a.shm_root)):
-        if os.path.isdir(root):
+        if a.ceiling and os.path.isdir(root):
             try:
                 ceil[name] = storage_ceiling(root)
             except Exception as exc:  # noqa: BLE001

@@ -289,3 +289,12 @@ def test_gil_switch_interval_is_off_or_seconds():
     for bad in (0, -1, 0.5, "fast", "auto", True):
         with pytest.raises(ValueError, match=r"gil_switch_interval_s=.*expected \"off\".*seconds in \(0, 0.1\]"):
             EngineConfig.from_dict(base(gil_switch_interval_s=bad))
+
+
+def test_mapped_store_copy_is_one_of_its_names():
+    assert EngineConfig.from_dict(base()).mapped_store_copy == "auto"
+    for v in ("auto", "dma", "dma_chunk", "host"):
+        assert EngineConfig.from_dict(base(mapped_store_copy=v)).mapped_store_copy == v
+    for bad in ("DMA", "", True, None, ["host"]):
+        with pytest.raises(ValueError, match=r"mapped_store_copy=.*expected one of \['auto', 'dma', 'dma_chunk', 'host'\]"):
+            EngineConfig.from_dict(base(mapped_store_copy=bad))

@@ -645,15 +645,18 @@ def test_a_capacity_the_file_system_cannot_hold_is_not_pinned_at_start(tmp_path,
     w.close()
 
 
-def test_stores_into_a_mapped_root_copy_into_the_slots_not_write_calls(tmp_path):
+@pytest.mark.parametrize("copy", ["auto", "dma", "dma_chunk", "host"])
+def test_stores_into_a_mapped_root_copy_into_the_slots_not_write_calls(tmp_path, copy):
     """A writer that mapped its whole capacity at start-up stores by copying each chunk into its
     slot's mapping once the slot's free record is durable (no write request reaches the IO
-    queue); a reader of the same root through the file path then loads every chunk bit exact,
+    queue), whichever way the bytes travel (`mapped_store_copy`; on the CPU always from the host
+    staging); a reader of the same root through the file path then loads every chunk bit exact,
     and a chunk whose slab shrank under its mapping fails its store instead of being journaled."""
     src = make_caches(0)
-    w = worker(tmp_path, src, mapped_loads=True, slots_per_slab=8)
+    w = worker(tmp_path, src, mapped_loads=True, slots_per_slab=8, mapped_store_copy=copy)
     w.warm_up()
     assert w.store.maps_every_slab and w.stores.into_maps
+    assert w.stores.map_copy == ("host" if DEV == "cpu" else {"auto": "dma_chunk"}.get(copy, copy))
     w.queue = RecordingQueue(w.queue)
     stores = [StoreChunk("r", bytes([i]) * 32, slot, blocks, ticket=i + 1)
               for i, (slot, blocks) in enumerate([(3, (0, 1)), (9, (2, 3)), (17, (4, 5))])]

@@ -190,6 +190,7 @@ def _size_or_keyword(name: str, value: Any, minimum: int, expected: str) -> Any:
     return value
 
 DEFAULT_WRITE_WINDOW = 64 << 20  # write_window_bytes "auto" on a drive: 2 chunks of an 8B model
+MAPPED_STORE_COPIES = ("auto", "dma", "dma_chunk", "host")
 READS_FIRST_BYTES = 4 << 20  # reads_first: the writer's window (and write size) while hits' reads wait
 
 @dataclass(frozen=True)
@@ -242,9 +243,18 @@ class EngineConfig:
     # The interpreter's GIL switch interval in the worker's process, lowered at start-up to these
     # seconds in (0, 0.1] (never raised): a thread that wakes to finish IO waits up to this long
     # for the GIL while another thread runs Python (CPython's default 5 ms; vLLM's engine loop
-    # spins in Python while a request waits for its asynchronous load). "off" (the default until
-    # it is measured on a GPU: bench/vllm_ttft.py's _gil05ms cases) leaves the interpreter's.
+    # spins in Python while a request waits for its asynchronous load). "off" (the default: 0.5 ms
+    # changed nothing under vllm serve on an H200, serve.md run 10) leaves the interpreter's.
     gil_switch_interval_s: Any = "off"
+    # How a store reaches a mapped RAM root's slot (stores into maps, tutti.engine.stores):
+    # "dma": the writer thread copies a run's chunks from the device staging into the slots'
+    # registered mappings, all at once; "dma_chunk": the same, one chunk's copy in flight at a time
+    # (a decode step's own small device-to-host copy then waits behind one chunk at most);
+    # "host": the step queues the device-to-host copy into the pinned staging right after the
+    # gather (as the file path does) and the writer thread copies host to mapping (a memcpy, the
+    # GIL released). "auto" = "dma_chunk" (decode while storing on an H200: dma 1.07x of no
+    # connector, host 1.06x, dma_chunk 1.01x; bench/vllm_ttft.py's _dma_chunk/_host cases).
+    mapped_store_copy: str = "auto"
     store_decode: bool = False  # also store chunks completed by generated tokens
     # How much of a hit to load (tutti.engine.hit_policy): "auto" loads only what its measured
     # read and prefill rates say is faster than recomputing; "always", "never", a registered
@@ -405,6 +415,12 @@ class EngineConfig:
                 raise ConfigError(f"gil_switch_interval_s={v!r}: expected \"off\" (the interpreter's own) or seconds "
                                   "in (0, 0.1] such as 0.0005")
             kw["gil_switch_interval_s"] = v
+        if "mapped_store_copy" in raw:
+            v = raw.pop("mapped_store_copy")
+            if v not in MAPPED_STORE_COPIES:
+                raise ConfigError(f"mapped_store_copy={v!r}: expected one of {list(MAPPED_STORE_COPIES)} (how a "
+                                  "store reaches a mapped RAM root's slot; \"auto\" = \"dma_chunk\")")
+            kw["mapped_store_copy"] = v
         for name in ("verify_checksums", "store_decode"):
             if name in raw:
                 v = raw.pop(name)

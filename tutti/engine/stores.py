@@ -74,6 +74,9 @@ class StorePipeline:
         self._stragglers: list[tuple[list, list[int], int, int]] = []  # (futures, pinned slots, first, count)
         self._warned_skip = False
         self._copy_stream = torch.cuda.Stream(ctx.device) if ctx.cuda else None  # the writer thread's DMAs
+        # how a chunk reaches a mapped slot (EngineConfig.mapped_store_copy); the CPU has no DMA
+        copy = getattr(ctx.cfg, "mapped_store_copy", "auto")
+        self.map_copy = "host" if not ctx.cuda else ("dma_chunk" if copy == "auto" else copy)
 
     @property
     def into_maps(self) -> bool:
@@ -159,7 +162,7 @@ class StorePipeline:
                 gathered.record(self.stream)
                 torch.cuda.current_stream(ctx.device).wait_event(gathered)
             sums = ctx.checksum(dev.view(n * L, ctx.seg))
-            if not self.into_maps:  # else the writer thread copies the device regions into the slots
+            if not self.into_maps or self.map_copy == "host":  # else the writer thread DMAs into the slots
                 host.copy_(dev, non_blocking=True)
             sums_host = self.arena.sums_view(first, n)  # pinned at start-up, held with the regions
             sums_host.copy_(sums.view(-1), non_blocking=True)
@@ -292,12 +295,14 @@ class StorePipeline:
     def _copy_into_maps(self, run: _Run, live: list, written: dict[int, list[int]],
                         errors: dict[int, BaseException]) -> None:
         """The run's chunks into their slots' mappings (the free records are already durable):
-        from the device staging on the writer's copy stream (on the CPU, from the host staging)."""
+        from the device staging on the writer's copy stream ("dma", "dma_chunk"), or from the
+        host staging the step copied them into ("host"; the CPU's only way)."""
         ctx, store, rb = self.ctx, self.ctx.store, self.arena.region_bytes
         n = len(run.chunks)
-        src_all = self.arena.device_view(run.first, n) if ctx.cuda else self.arena.host_view(run.first, n)
+        dma = self.map_copy != "host"
+        src_all = self.arena.device_view(run.first, n) if dma else self.arena.host_view(run.first, n)
         on_stream = contextlib.ExitStack()
-        if ctx.cuda:
+        if dma:
             on_stream.enter_context(torch.cuda.device(ctx.device))
             on_stream.enter_context(torch.cuda.stream(self._copy_stream))
         with nvtx_range("copy_into_maps"), on_stream:
@@ -308,13 +313,18 @@ class StorePipeline:
                     continue
                 src = src_all[i * rb:(i + 1) * rb]
                 for lo, hi in self._written_ranges(written[i]):
-                    dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
-            if ctx.cuda:
-                done = torch.cuda.Event(blocking=True)  # waited on by this (writer) thread: sleep, not spin
-                done.record(self._copy_stream)
-        if ctx.cuda:
-            with gil_free_wait():
-                done.synchronize()  # releases the GIL while the DMA runs
+                    dst[lo:hi].copy_(src[lo:hi], non_blocking=dma)  # host: a memcpy, torch releases the GIL
+                if self.map_copy == "dma_chunk":
+                    self._wait_copies()  # one chunk ahead of a decode step's own copy at most
+            if dma:
+                self._wait_copies()
+
+    def _wait_copies(self) -> None:
+        """Sleep (GIL released) until the copy stream's work so far has landed."""
+        done = torch.cuda.Event(blocking=True)  # waited on by this (writer) thread: sleep, not spin
+        done.record(self._copy_stream)
+        with gil_free_wait():
+            done.synchronize()
 
     def _written_ranges(self, layers: list[int]) -> list[tuple[int, int]]:
         """Byte ranges of a chunk's slot to write: runs of consecutive written layers."""

@@ -238,7 +238,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             w.queue.caps().backend, list(w.cfg.roots), self._cfg.capacity_bytes, layout, w.kernel.name,
             num_layers, self._cfg.chunk_tokens, w.resident_chunks, rank, w.cfg.staging_bytes,
             w.stores.arena.num_regions, w.mapped_bytes, w.map_seconds,
-            " (stores copy into it)" if w.stores.into_maps else "", w.async_loads is not None, w.probe[0], w.probe[1],
+            f" (stores copy into it: {w.stores.map_copy})" if w.stores.into_maps else "", w.async_loads is not None, w.probe[0], w.probe[1],
             sys.getswitchinterval(), w.warmup_seconds,
         )
 
