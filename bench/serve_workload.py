@@ -121,6 +121,8 @@ VARIANTS: dict[str, dict] = {
     "tutti_shm_file": {"mapped_loads": False},  # loads and stores through the file path
     "tutti_disk_nowindow": {"write_window_bytes": "off"},  # the disk, every write of a run at once
     "tutti_disk_writesfirst": {"reads_first": False},  # the disk, writes not yielding to the hits' reads
+    # the disk, whole prefixes, fewer of them while the drive is the bottleneck (writes less)
+    "tutti_disk_share": {"store_admission": "drive_share"},
     # a GIL switch interval of 0.5 ms in the engine core's process (CPython's own: 5 ms)
     "tutti_shm_gil05ms": {"gil_switch_interval_s": 0.0005},
     "tutti_disk_gil05ms": {"gil_switch_interval_s": 0.0005},

@@ -264,7 +264,8 @@ class EngineConfig:
     # a registered name or "package.module:attr".
     eviction_policy: str = "lru"
     # Which computed chunks the store takes at all (tutti.engine.admission): "all", "seen_twice",
-    # a registered name or "package.module:attr".
+    # "drive_share" (whole prefixes, fewer while the drive is the bottleneck), a registered name
+    # or "package.module:attr".
     store_admission: str = "all"
     # Publish tutti's KV events (BlockStored/BlockRemoved, medium STORAGE) on this ZMQ endpoint
     # in vLLM's wire format; "" = off (events still go through vLLM's --kv-events-config).

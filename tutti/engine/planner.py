@@ -498,7 +498,8 @@ class Planner:
         for k in fresh:
             r, c, st = where[k]
             cand = StoreCandidate(key=k, req_id=r.req_id, chunk=c, prompt_chunks=r.prompt_len // self.chunk_tokens,
-                                  state=st, resident=resident, capacity=self.index.num_slots)
+                                  state=st, resident=resident, capacity=self.index.num_slots,
+                                  first_key=r.keys[0], counters=self.stats)
             try:
                 ok = bool(self.admission.admit(cand))
             except Exception:  # noqa: BLE001 - a research policy's bug costs its stores, never the step
