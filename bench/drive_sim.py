@@ -1,0 +1,302 @@
+"""A loaded server over a drive slower than prefill, as a model: which store admission serves more?
+
+The real Planner (lookups, the `auto` hit policy with its RateMeter, asynchronous loads, store
+planning, holes) and the real admission policies, driven by a step-level model of the rest:
+vLLM's scheduler (a token budget a step, FCFS, chunked prefill, `--concurrency` requests in
+flight as `vllm bench serve --max-concurrency` keeps them), its GPU prefix cache (an LRU of
+chunks), a GPU that computes a step in `overhead + prefill tokens / prefill rate`, and one drive
+that moves reads and writes at one shared rate, reads first (tutti's `reads_first`), with a
+staging ring of `--staging-chunks` stores in flight (a store past it is skipped, as the worker
+skips it). The workload is serve_workload.py's prefix_repetition. Time is simulated (the
+RateMeter reads the model's clock), so a run takes seconds on any machine and gives the same
+figures everywhere. It is a model: it says which policy to measure on a GPU, not what a GPU does.
+
+    python3 bench/drive_sim.py [--drive-gbps 1.6] [--admissions all,drive_share,seen_twice] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tutti.engine import hit_policy as hit_policy_mod  # noqa: E402
+from tutti.engine.admission import DriveShare, get_admission  # noqa: E402
+from tutti.engine.hit_policy import CostModel  # noqa: E402
+from tutti.engine.keys import namespace_seed  # noqa: E402
+from tutti.engine.plan import WorkerReport  # noqa: E402
+from tutti.engine.planner import Planner  # noqa: E402
+
+
+class Clock:
+    """The model's time, for the RateMeter (it reads time.monotonic) and DriveShare."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Drive:
+    """One device: `rate` bytes a second, shared; queued reads go before queued writes."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.reads: deque = deque()  # [item, bytes left]
+        self.writes: deque = deque()
+        self.read_bytes = self.write_bytes = 0
+
+    def advance(self, dt: float) -> tuple[list, list]:
+        budget = self.rate * dt
+        done_r, done_w = [], []
+        for q, done, kind in ((self.reads, done_r, "r"), (self.writes, done_w, "w")):
+            while q and budget > 0:
+                take = min(budget, q[0][1])
+                q[0][1] -= take
+                budget -= take
+                if kind == "r":
+                    self.read_bytes += take
+                else:
+                    self.write_bytes += take
+                if q[0][1] <= 1e-6:
+                    done.append(q.popleft()[0])
+        return done_r, done_w
+
+
+@dataclass
+class Req:
+    rid: str
+    tokens: list[int]
+    computed: int = 0
+    state: str = "prefill"  # wait_load, prefill, decode
+    decoded: int = 0
+    start: float = 0.0
+    first_token: float | None = None
+    loaded: int = 0
+    gpu_hit: int = 0
+
+
+@dataclass
+class Result:
+    admission: str
+    seed: int
+    makespan_s: float = 0.0
+    requests: int = 0
+    ttft_mean_s: float = 0.0
+    gpu_cache_tokens: int = 0
+    hit_tokens: int = 0
+    declined_hit_tokens: int = 0
+    stores_declined: int = 0
+    stores_skipped: int = 0
+    stores_committed: int = 0
+    read_gb: float = 0.0
+    written_gb: float = 0.0
+    share: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def workload(a, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10, 30000) for _ in range(a.prefix_len)] for _ in range(a.num_prefixes)]
+    order = [i for i in range(a.num_prefixes) for _ in range(a.repeats)]
+    rng.shuffle(order)
+    return [prefixes[i] + [rng.randrange(10, 30000) for _ in range(a.suffix_len)] for i in order]
+
+
+def run(a, admission: str, seed: int) -> Result:
+    clock = Clock()
+    hit_policy_mod.time = clock  # the RateMeter's clock: the model's
+    requests = workload(a, seed)
+    chunk_bytes = a.chunk_tokens * a.bytes_per_token
+    planner = None
+    policy = None
+    if admission != "none":
+        if admission == "drive_share":
+            policy = DriveShare(clock=clock)
+        else:
+            policy = get_admission(admission)
+        planner = Planner(num_slots=int(a.capacity_chunks), chunk_tokens=a.chunk_tokens, block_size=16,
+                          seed=namespace_seed("drive-sim"), slot_bytes=chunk_bytes, hit_policy=CostModel(),
+                          step_tokens=a.step_tokens, asynchronous=True, admission=policy)
+        # the start-up read probe: the drive's own rate, as WorkerPipeline.probe_read_rate reports it
+        planner.on_report(WorkerReport(probe_bytes=64 << 20, probe_seconds=(64 << 20) / a.drive_rate))
+    drive = Drive(a.drive_rate)
+    gpu: OrderedDict = OrderedDict()  # vLLM's prefix cache: chunk prefix hashes, least recent first
+    pending = deque(enumerate(requests))
+    active: dict[str, Req] = {}
+    async_left: dict[int, int] = {}  # async step -> loads not yet read
+    load_meta: dict[int, tuple[float, int]] = {}  # async step -> (submitted at, bytes)
+    waiting_on: dict[int, list[str]] = {}  # async step -> requests it loads for
+    inflight_stores = 0
+    holed: set[str] = set()
+    res = Result(admission, seed)
+    ttfts = []
+
+    def chunk_hashes(tokens: list[int]) -> list[int]:
+        n = (len(tokens) - 1) // a.chunk_tokens
+        return [hash(tuple(tokens[:(c + 1) * a.chunk_tokens])) for c in range(n)]
+
+    while pending or active:
+        while pending and len(active) < a.concurrency:
+            i, tokens = pending.popleft()
+            r = Req(f"r{i}", tokens, start=clock.t)
+            hs = chunk_hashes(tokens)
+            local = 0
+            for h in hs:
+                if h not in gpu:
+                    break
+                gpu.move_to_end(h)
+                local += 1
+            r.gpu_hit = local * a.chunk_tokens
+            r.computed = r.gpu_hit
+            res.gpu_cache_tokens += r.gpu_hit
+            got = 0
+            if planner is not None:
+                got = planner.match(r.rid, tokens, r.gpu_hit)
+                blocks = list(range(-(-len(tokens) // 16)))
+                planner.on_alloc(r.rid, blocks, got, async_load=got > 0)
+                planner.update_request(r.rid, tokens=tokens, all_block_ids=blocks)
+            if got:
+                r.state, r.loaded = "wait_load", got
+            active[r.rid] = r
+        # one step: decodes first, then prompts in arrival order, within the token budget
+        budget, scheduled, before, prefill_tokens = a.step_tokens, {}, {}, 0
+        for r in active.values():
+            if r.state == "decode" and budget > 0:
+                scheduled[r.rid], before[r.rid] = 1, r.computed
+                budget -= 1
+        for r in active.values():
+            if r.state == "prefill" and budget > 0:
+                n = min(len(r.tokens) - r.computed, budget)
+                scheduled[r.rid], before[r.rid] = n, r.computed
+                budget -= n
+                prefill_tokens += n
+        report = WorkerReport()
+        if planner is not None:
+            plan = planner.build_step(scheduled, before)
+            if plan.async_loads:
+                nbytes = len(plan.async_loads) * chunk_bytes
+                async_left[plan.async_step] = len(plan.async_loads)
+                load_meta[plan.async_step] = (clock.t, nbytes)
+                waiting_on[plan.async_step] = sorted({ld.req_id for ld in plan.async_loads})
+                for ld in plan.async_loads:
+                    drive.reads.append([plan.async_step, chunk_bytes])
+            for st in plan.stores:
+                if st.req_id in holed or inflight_stores >= a.staging_chunks:
+                    holed.add(st.req_id)
+                    report.store_failed.append(st.ticket)
+                    report.stores_skipped += 1
+                else:
+                    inflight_stores += 1
+                    drive.writes.append([st.ticket, chunk_bytes])
+            step = plan.step
+        busy = bool(scheduled)
+        dt = a.step_overhead_s + prefill_tokens / a.prefill_tps if busy else a.idle_tick_s
+        clock.t += dt
+        done_r, done_w = drive.advance(dt)
+        # the step's tokens
+        for rid, n in scheduled.items():
+            r = active[rid]
+            if r.state == "prefill":
+                r.computed += n
+                if r.computed >= len(r.tokens):
+                    r.state, r.decoded, r.first_token = "decode", 1, clock.t
+                    for h in chunk_hashes(r.tokens):
+                        gpu[h] = None
+                        gpu.move_to_end(h)
+                    while len(gpu) > a.gpu_cache_chunks:
+                        gpu.popitem(last=False)
+            else:
+                r.computed += 1
+                r.decoded += 1
+        if planner is not None:
+            report.steps_done.append(step)
+            for s in done_r:
+                async_left[s] -= 1
+                if async_left[s] == 0:
+                    t0, nbytes = load_meta.pop(s)
+                    report.steps_done.append(s)
+                    report.bytes_loaded += nbytes
+                    report.rate_bytes += nbytes
+                    report.rate_seconds += clock.t - t0
+                    for rid in waiting_on.pop(s):
+                        r = active.get(rid)
+                        if r is not None and r.state == "wait_load":
+                            r.state = "prefill"
+                            r.computed = r.gpu_hit + r.loaded
+            report.stored.extend(done_w)
+            inflight_stores -= len(done_w)
+            report.bytes_stored += len(done_w) * chunk_bytes
+            planner.on_report(report)
+        for rid in [rid for rid, r in active.items() if r.state == "decode" and r.decoded >= a.output_len]:
+            r = active.pop(rid)
+            ttfts.append(r.first_token - r.start)
+            res.requests += 1
+            if planner is not None:
+                planner.finished(rid)
+                holed.discard(rid)
+    res.makespan_s = clock.t
+    res.ttft_mean_s = sum(ttfts) / len(ttfts)
+    res.read_gb, res.written_gb = drive.read_bytes / 1e9, drive.write_bytes / 1e9
+    if planner is not None:
+        s = planner.stats
+        res.hit_tokens, res.declined_hit_tokens = s.hit_tokens, s.declined_hit_tokens
+        res.stores_declined, res.stores_skipped, res.stores_committed = s.stores_declined, s.stores_skipped, s.stores_committed
+    if isinstance(policy, DriveShare):
+        res.share = round(policy.share, 3)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--admissions", default="all,drive_share,seen_twice")
+    ap.add_argument("--drive-gbps", default="1.6", help="the drive's rate, reads and writes together (GB/s); a list")
+    ap.add_argument("--prefill-tps", type=float, default=40000.0,
+                    help="the GPU's prefill rate (tokens/s; with the defaults no connector takes 25 s, on the H200 23.5 s)")
+    ap.add_argument("--step-overhead-s", type=float, default=0.006, help="a step's time besides its prompt tokens")
+    ap.add_argument("--idle-tick-s", type=float, default=0.002, help="the engine loop's tick with nothing scheduled")
+    ap.add_argument("--step-tokens", type=int, default=8192)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--num-prefixes", type=int, default=48)
+    ap.add_argument("--prefix-len", type=int, default=4096)
+    ap.add_argument("--suffix-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--bytes-per-token", type=int, default=131072, help="8B Llama KV: 32 layers x 8 heads x 128 x 2 x bf16")
+    ap.add_argument("--gpu-cache-chunks", type=int, default=200,
+                    help="vLLM's own prefix cache, in chunks (no connector then hits 176k tokens of 811k; the H200: 187k)")
+    ap.add_argument("--capacity-chunks", type=int, default=1024, help="the store (32 GiB of 32 MiB chunks)")
+    ap.add_argument("--staging-chunks", type=int, default=64, help="stores in flight (auto staging: two steps' worth)")
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    rows = []
+    for gbps in a.drive_gbps.split(","):
+        a.drive_rate = float(gbps) * 1e9
+        for seed in (int(s) for s in a.seeds.split(",")):
+            base = run(a, "none", seed)
+            for adm in a.admissions.split(","):
+                r = run(a, adm, seed)
+                row = {"drive_gbps": float(gbps), **vars(r), "x_none": round(base.makespan_s / r.makespan_s, 3),
+                       "none_makespan_s": round(base.makespan_s, 2), "none_gpu_cache_tokens": base.gpu_cache_tokens}
+                row.pop("extra")
+                rows.append(row)
+                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(a).items()}, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""bench/drive_sim.py: the real Planner and admission policies over a modelled drive and GPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sim(tmp_path, gbps: str) -> dict:
+    out = tmp_path / f"sim{gbps}.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "drive_sim.py"), "--drive-gbps", gbps, "--seeds", "1",
+                    "--num-prefixes", "12", "--repeats", "3", "--admissions", "all,drive_share", "--gpu-cache-chunks", "40",
+                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    return {r["admission"]: r for r in json.load(open(out))["rows"]}
+
+
+def test_drive_share_is_all_on_a_fast_drive_and_declines_whole_prefixes_on_a_slow_one(tmp_path):
+    fast = sim(tmp_path, "50")
+    assert fast["drive_share"]["share"] == 1.0 and fast["all"]["stores_skipped"] == 0
+    for k in ("hit_tokens", "written_gb", "makespan_s", "stores_committed"):
+        assert fast["drive_share"][k] == fast["all"][k]
+    assert fast["all"]["hit_tokens"] > 0 and fast["all"]["x_none"] > 1.0  # hits served from the store
+    slow = sim(tmp_path, "0.4")
+    assert slow["all"]["stores_skipped"] > 0  # the drive cannot keep up: stores are skipped
+    assert slow["drive_share"]["share"] < 1.0 and slow["drive_share"]["stores_declined"] > 0
+    # whole prefixes declined up front instead of chunks skipped (and holes) once staging is full
+    assert slow["drive_share"]["stores_skipped"] < slow["all"]["stores_skipped"]
