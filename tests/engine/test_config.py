@@ -298,3 +298,13 @@ def test_mapped_store_copy_is_one_of_its_names():
     for bad in ("DMA", "", True, None, ["host"]):
         with pytest.raises(ValueError, match=r"mapped_store_copy=.*expected one of \['auto', 'dma', 'dma_chunk', 'host'\]"):
             EngineConfig.from_dict(base(mapped_store_copy=bad))
+
+
+def test_idle_load_wait_is_seconds_or_off():
+    assert EngineConfig.from_dict(base()).idle_load_wait_s == 0
+    assert EngineConfig.from_dict(base(idle_load_wait_s=0.002)).idle_load_wait_s == 0.002
+    assert EngineConfig.from_dict(base(idle_load_wait_s="off")).idle_load_wait_s == 0
+    assert EngineConfig.from_dict(base(idle_load_wait_s=0.01)).idle_load_wait_s == 0.01
+    for bad in (-1, 0.5, "auto", True, None):
+        with pytest.raises(ValueError, match=r"idle_load_wait_s=.*expected seconds in \[0, 0.05\]"):
+            EngineConfig.from_dict(base(idle_load_wait_s=bad))

@@ -1006,3 +1006,53 @@ def test_chunks_after_a_skipped_one_of_their_request_are_not_stored(tmp_path):
         assert w.stores.leftovers()["holed"] == 0
     finally:
         w.close()
+
+
+def test_a_step_without_a_forward_waits_for_its_asynchronous_loads(tmp_path):
+    """`idle_load_wait_s`: in a step vLLM scheduled no token for (its requests all wait), the
+    worker sleeps until an asynchronous load lands (or the wait ends) before it reports, instead
+    of handing control back to an engine loop that spins in Python; a step with a forward never
+    waits."""
+    import threading
+
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(0, [0, 1])])
+    w = worker(tmp_path, make_caches(1), async_loads=True, idle_load_wait_s=0.05)
+    gate = threading.Event()
+    run = w.async_loads._run
+    w.async_loads._run = lambda loads, after=None: (gate.wait(30), run(loads, after))[1]
+    waits = []
+    wait = w.async_loads.wait
+    w.async_loads.wait = lambda timeout: (waits.append(timeout), wait(timeout))[1]
+    run_step(w, StepPlan(1, async_step=2, async_loads=[LoadChunk("a", bytes([0]) * 32, 0, (14, 15))]))
+    assert w.received_requests() == (set(), set(), set()) and waits == []  # a step with a forward: no wait
+    run_step(w, StepPlan(3, idle=True))
+    assert w.received_requests() == (set(), set(), set()) and waits == [0.05]  # waited, nothing landed
+    assert w.received_requests() == (set(), set(), set()) and waits == [0.05]  # once a step
+    gate.set()
+    run_step(w, StepPlan(4, idle=True))
+    got = w.received_requests()
+    while got == (set(), set(), set()):  # a slow machine: the next idle steps wait again
+        run_step(w, StepPlan(5, idle=True))
+        got = w.received_requests()
+    assert got == ({"a"}, set(), set()) and len(waits) >= 2
+    w.close()
+
+
+def test_async_loads_wait_wakes_when_a_job_lands_and_returns_when_none_is_pending(tmp_path):
+    import threading
+    import time as _time
+
+    store_chunks(tmp_path, make_caches(0), [(0, [0, 1])])
+    w = worker(tmp_path, make_caches(1), async_loads=True)
+    a = w.async_loads
+    t0 = _time.monotonic()
+    a.wait(30)  # nothing pending: at once
+    gate = threading.Event()
+    run = a._run
+    a._run = lambda loads, after=None: (gate.wait(30), run(loads, after))[1]
+    a.submit(7, [LoadChunk("a", bytes([0]) * 32, 0, (14, 15))])
+    threading.Timer(0.05, gate.set).start()
+    a.wait(30)  # returns when the job lands, not after 30 s
+    assert _time.monotonic() - t0 < 20 and a.take()[0] == {"a"}
+    w.close()

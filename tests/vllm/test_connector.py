@@ -149,6 +149,31 @@ def test_corrupt_chunk_is_recomputed_and_counted(tiny_model, tmp_path, reference
     assert res[0]["tokens"] == want
 
 
+def test_a_step_with_nothing_scheduled_waits_for_the_asynchronous_load(tiny_model, tmp_path, reference):
+    """`idle_load_wait_s` through a real engine: the step that hands a hit's asynchronous loads to
+    the worker schedules nothing (the request waits for them), vLLM still builds its connector
+    metadata, and the worker sleeps in that step until the load lands; the hit gives recompute's
+    tokens."""
+    p = prompt(5, 300)
+    kvt = kv_config(tmp_path / "kv", async_loads=True, idle_load_wait_s=0.05)
+    child_run(tiny_model, kvt, [p])
+    code = (
+        "import json, harness\n"
+        f"llm = harness.make_llm({str(tiny_model)!r}, kv_transfer_config={kvt!r})\n"
+        f"outs = harness.generate_ids(llm, {[p]!r}, 8)\n"
+        "harness.settle(llm)\n"
+        "from vllm.distributed.kv_transfer import get_kv_transfer_group\n"
+        "print('RESULT', json.dumps([{'tokens': list(o.outputs[0].token_ids), 'cached': o.num_cached_tokens}"
+        " for o in outs]))\n"
+        "print('STATS', json.dumps({'idle_waits': get_kv_transfer_group().worker.idle_waits,"
+        " **vars(harness.connector(llm).planner.stats)}))\n"
+        "harness.shutdown_llm(llm)\n"
+    )
+    res, stats = results_of(code)
+    assert stats["async_hit_tokens"] == 4 * CHUNK and stats["idle_waits"] >= 1, stats
+    assert res[0]["tokens"] == reference([p])[0]
+
+
 def test_bad_configs_fail_at_startup_with_clear_errors(tiny_model, tmp_path):
     from tutti.engine.config import EngineConfig
 

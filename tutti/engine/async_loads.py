@@ -35,6 +35,7 @@ class AsyncLoads:
         self._failed: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._pending = 0
+        self._landed = threading.Event()  # a job finished: wakes wait()
         self._thread = threading.Thread(target=self._loop, name="tutti-async-loads", daemon=True)
         self._thread.start()
 
@@ -54,6 +55,15 @@ class AsyncLoads:
     def pending(self) -> int:
         with self._lock:
             return self._pending
+
+    def wait(self, timeout: float) -> None:
+        """Sleep (the GIL released) until a job finishes or `timeout` passes; at once when none is
+        pending or one already finished unreported. For steps that run no forward pass."""
+        self._landed.clear()
+        with self._lock:
+            if not self._pending or self._received or self._failed:
+                return
+        self._landed.wait(timeout)
 
     def take(self) -> tuple[set[str], set[str], set[int]]:
         """(received, failed) requests since the last call, and the blocks the failed chunks would
@@ -87,6 +97,7 @@ class AsyncLoads:
                 self._failed |= bad
                 self._failed_blocks |= blocks
                 self._pending -= 1
+            self._landed.set()
 
     def _run(self, loads: list[LoadChunk], after=None) -> tuple[set[bytes], set[int]]:
         """Every layer of `loads`, verified; returns the keys that failed and their blocks."""

@@ -246,6 +246,14 @@ class EngineConfig:
     # spins in Python while a request waits for its asynchronous load). "off" (the default: 0.5 ms
     # changed nothing under vllm serve on an H200, serve.md run 10) leaves the interpreter's.
     gil_switch_interval_s: Any = "off"
+    # Seconds a step with no token scheduled (vLLM's requests all wait, e.g. for their loads) waits
+    # for the asynchronous loads in flight, the GIL released, before it returns: vLLM's engine loop
+    # would otherwise spin in Python, and every torch call and IO completion of the loading thread
+    # waits for the GIL behind it. No forward pass waits (the step has none); a request arriving
+    # meanwhile waits this long at most. 0 (the default; "off" says the same) returns at once: on
+    # the CPU machine (bench/gil_interval_ab.py --ab idle_wait --tiny) 2 ms made hits no faster and
+    # mapped ones up to 20% slower; the GPU A/B is that command without --tiny.
+    idle_load_wait_s: Any = 0.0
     # How a store reaches a mapped RAM root's slot (stores into maps, tutti.engine.stores):
     # "dma": the writer thread copies a run's chunks from the device staging into the slots'
     # registered mappings, all at once; "dma_chunk": the same, one chunk's copy in flight at a time
@@ -416,6 +424,13 @@ class EngineConfig:
                 raise ConfigError(f"gil_switch_interval_s={v!r}: expected \"off\" (the interpreter's own) or seconds "
                                   "in (0, 0.1] such as 0.0005")
             kw["gil_switch_interval_s"] = v
+        if "idle_load_wait_s" in raw:
+            v = raw.pop("idle_load_wait_s")
+            if v == "off":
+                v = 0
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 0.05:
+                raise ConfigError(f"idle_load_wait_s={v!r}: expected seconds in [0, 0.05] such as 0.002, or \"off\"")
+            kw["idle_load_wait_s"] = float(v)
         if "mapped_store_copy" in raw:
             v = raw.pop("mapped_store_copy")
             if v not in MAPPED_STORE_COPIES:

@@ -50,6 +50,9 @@ class StepPlan:
     # the worker reports them received); their pins are released under `async_step`.
     async_loads: list[LoadChunk] = field(default_factory=list)
     async_step: int = 0
+    # vLLM scheduled no token in this step (every request it holds waits, e.g. for its load): the
+    # step runs no forward pass, so the worker may wait for its asynchronous loads in it
+    idle: bool = False
 
     def is_empty(self) -> bool:
         return not (self.loads or self.stores or self.preempted or self.async_loads)

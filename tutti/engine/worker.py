@@ -92,6 +92,8 @@ class WorkerPipeline:
                                                        foreign))
         self.stores = StorePipeline(self.ctx, arena, self.journal, self.counters, self.writer)
         self._plan: StepPlan | None = None
+        self._idle = False  # the bound step runs no forward pass (EngineConfig.idle_load_wait_s)
+        self.idle_waits = 0  # steps without a forward that waited for asynchronous loads
         self._layerwise = True
         # steps that ran without per-layer hooks (FULL CUDA graphs) and still loaded or stored
         self.whole_steps = {"loads": 0, "stores": 0}
@@ -151,6 +153,7 @@ class WorkerPipeline:
         """Bind a step's plan. `layerwise=False` for a step whose forward runs no per-layer hooks
         (a FULL CUDA graph): every load is then done here, before the forward."""
         self._plan, self._layerwise = plan, layerwise
+        self._idle = plan.idle
         if plan.loads and not layerwise:
             self.whole_steps["loads"] += 1
         if plan.loads or plan.stores:
@@ -292,8 +295,16 @@ class WorkerPipeline:
 
     def received_requests(self) -> tuple[set[str], set[str], set[int]]:
         """Asynchronous loads since the last call: (requests received, requests that failed, the
-        blocks their failed chunks would have written)."""
-        return self.async_loads.take() if self.async_loads is not None else (set(), set(), set())
+        blocks their failed chunks would have written). In a step that runs no forward pass it
+        first waits up to `idle_load_wait_s` for one to land (see EngineConfig)."""
+        if self.async_loads is None:
+            return set(), set(), set()
+        if self._idle and self.cfg.idle_load_wait_s > 0:
+            self._idle = False  # once a step
+            if self.async_loads.pending:
+                self.idle_waits += 1
+            self.async_loads.wait(self.cfg.idle_load_wait_s)
+        return self.async_loads.take()
 
     def finished_requests(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose stores are all done, among those vLLM says have finished."""
