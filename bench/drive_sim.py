@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tutti.engine import hit_policy as hit_policy_mod  # noqa: E402
 from tutti.engine.admission import DriveShare, get_admission  # noqa: E402
-from tutti.engine.hit_policy import CostModel  # noqa: E402
+from tutti.engine.hit_policy import get_policy  # noqa: E402
 from tutti.engine.keys import namespace_seed  # noqa: E402
 from tutti.engine.plan import WorkerReport  # noqa: E402
 from tutti.engine.planner import Planner  # noqa: E402
@@ -126,7 +126,7 @@ def run(a, admission: str, seed: int) -> Result:
         else:
             policy = get_admission(admission)
         planner = Planner(num_slots=int(a.capacity_chunks), chunk_tokens=a.chunk_tokens, block_size=16,
-                          seed=namespace_seed("drive-sim"), slot_bytes=chunk_bytes, hit_policy=CostModel(),
+                          seed=namespace_seed("drive-sim"), slot_bytes=chunk_bytes, hit_policy=get_policy(a.hit_policy),
                           step_tokens=a.step_tokens, asynchronous=True, admission=policy)
         # the start-up read probe: the drive's own rate, as WorkerPipeline.probe_read_rate reports it
         planner.on_report(WorkerReport(probe_bytes=64 << 20, probe_seconds=(64 << 20) / a.drive_rate))
@@ -278,6 +278,7 @@ def main() -> None:
                     help="vLLM's own prefix cache, in chunks (no connector then hits 176k tokens of 811k; the H200: 187k)")
     ap.add_argument("--capacity-chunks", type=int, default=1024, help="the store (32 GiB of 32 MiB chunks)")
     ap.add_argument("--staging-chunks", type=int, default=64, help="stores in flight (auto staging: two steps' worth)")
+    ap.add_argument("--hit-policy", default="auto", help="tutti's hit_policy (auto, always, a name or module:attr)")
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
