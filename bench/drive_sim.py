@@ -22,7 +22,7 @@ import os
 import random
 import sys
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -102,7 +102,6 @@ class Result:
     read_gb: float = 0.0
     written_gb: float = 0.0
     share: float | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def workload(a, seed: int) -> list[list[int]]:
@@ -291,7 +290,6 @@ def main() -> None:
                 r = run(a, adm, seed)
                 row = {"drive_gbps": float(gbps), **vars(r), "x_none": round(base.makespan_s / r.makespan_s, 3),
                        "none_makespan_s": round(base.makespan_s, 2), "none_gpu_cache_tokens": base.gpu_cache_tokens}
-                row.pop("extra")
                 rows.append(row)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     if a.out:

@@ -424,13 +424,8 @@ class EngineConfig:
                 raise ConfigError(f"gil_switch_interval_s={v!r}: expected \"off\" (the interpreter's own) or seconds "
                                   "in (0, 0.1] such as 0.0005")
             kw["gil_switch_interval_s"] = v
-        if "idle_load_wait_s" in raw:
-            v = raw.pop("idle_load_wait_s")
-            if v == "off":
-                v = 0
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 0.05:
-                raise ConfigError(f"idle_load_wait_s={v!r}: expected seconds in [0, 0.05] such as 0.002, or \"off\"")
-            kw["idle_load_wait_s"] = float(v)
+        if raw.get("idle_load_wait_s") == "off":
+            raw["idle_load_wait_s"] = 0
         if "mapped_store_copy" in raw:
             v = raw.pop("mapped_store_copy")
             if v not in MAPPED_STORE_COPIES:
@@ -489,7 +484,8 @@ class EngineConfig:
                 raise ConfigError(f"kv_events_topic={v!r}: expected a string such as "
                                  "\"kv@{host}@{model}\"")
             kw["kv_events_topic"] = v
-        for name, lo, hi, example in (("io_timeout_s", 0.001, 3600, "10"), ("follow_interval_s", 0.01, 60, "0.25")):
+        for name, lo, hi, example in (("io_timeout_s", 0.001, 3600, "10"), ("follow_interval_s", 0.01, 60, "0.25"),
+                                      ("idle_load_wait_s", 0, 0.05, '0.002 (or "off")')):
             if name in raw:
                 v = raw.pop(name)
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:

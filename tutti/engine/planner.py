@@ -407,7 +407,7 @@ class Planner:
     def build_step(self, scheduled: Mapping[str, int], computed_before: Mapping[str, int]) -> StepPlan:
         """The loads and stores of one step. `scheduled[req]` tokens are computed this step on
         top of `computed_before[req]`."""
-        plan = StepPlan(step=next(self._steps))
+        plan = StepPlan(step=next(self._steps), idle=not any(scheduled.values()))  # idle: no forward pass runs
         self.meter.on_scheduled(plan.step, sum(scheduled.values()))
         self._batch = len(scheduled)
         self._step_sync_bytes = 0  # the next step's lookups start a new budget

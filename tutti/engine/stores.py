@@ -75,7 +75,7 @@ class StorePipeline:
         self._warned_skip = False
         self._copy_stream = torch.cuda.Stream(ctx.device) if ctx.cuda else None  # the writer thread's DMAs
         # how a chunk reaches a mapped slot (EngineConfig.mapped_store_copy); the CPU has no DMA
-        copy = getattr(ctx.cfg, "mapped_store_copy", "auto")
+        copy = ctx.cfg.mapped_store_copy
         self.map_copy = "host" if not ctx.cuda else ("dma_chunk" if copy == "auto" else copy)
 
     @property

@@ -396,7 +396,6 @@ class TuttiConnectorV1(KVConnectorBase_V1):
                 if req is not None:
                     p.sync_tokens(req_id, req.all_token_ids)
         plan = p.build_step(scheduler_output.num_scheduled_tokens, computed)
-        plan.idle = not any(scheduler_output.num_scheduled_tokens.values())  # no forward pass runs
         if self._events is not None and plan.stores:
             self._events.planned(plan.stores)
         return TuttiConnectorMetadata(plan)
