@@ -18,7 +18,11 @@ this process (so `sys.setswitchinterval` reaches its loop), 8B KV geometry, weig
   stored (vllm_ttft's measure)
   16 greedy tokens of the 32k hit against both references
 
-    python3 bench/gil_interval_ab.py --out $OUT/gil [--cases file,mapped] [--tiny] [--ab idle_wait]
+    python3 bench/gil_interval_ab.py --out $OUT/gil [--cases file,mapped] [--tiny] [--ab idle_wait|grid]
+
+Each hit also reports its asynchronous job's timeline (`hit_<n>_timeline_ms`): when vLLM's
+scheduling handed it to the worker, when the load thread took it, queued it, saw it land, and
+when a step told vLLM, against the first token's time.
 
 `--ab idle_wait` alternates tutti's `idle_load_wait_s` (2 ms, off) instead: a step with nothing
 to compute sleeps until an asynchronous load lands instead of returning to the spinning loop.
@@ -43,9 +47,33 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from vllm_ttft import bench_engine, make_model, prompt, timed_generate  # noqa: E402
 
-INTERVALS = (0.005, 0.0002, 0.0005, 0.005, 0.0002, 0.0005)
-# --ab idle_wait: tutti's idle_load_wait_s instead, CPython's switch interval left alone
-IDLE_WAITS = (0.002, 0.0, 0.002, 0.0)
+# (switch interval, idle_load_wait_s) per run; None: CPython's default interval
+SETTINGS = {
+    "interval": [(0.005, 0.0), (0.0002, 0.0), (0.0005, 0.0)] * 2,
+    "idle_wait": [(None, 0.002), (None, 0.0)] * 2,  # tutti's idle_load_wait_s, the interval left alone
+    "grid": [(None, 0.0), (None, 0.002), (0.0005, 0.0), (0.0005, 0.002)] * 2,  # both, crossed
+}
+
+
+def hit_timeline(worker, t_start: float, t_end: float) -> list[dict] | None:
+    """Where a hit's time went, per asynchronous job it made (ms from the hit's start): submitted
+    (vLLM scheduled the request and the worker bound the step), started (the load thread took
+    it), launched (its copies and kernels queued; the file path's reads done), landed (on the
+    device, verdicts read), taken (a step told vLLM), and the end (first token out)."""
+    al = getattr(worker, "async_loads", None)
+    if al is None:
+        return None
+    out = []
+    for e in list(al.timeline):
+        if e.get("submitted", 0) < t_start:
+            continue
+        row = {"chunks": e["chunks"]}
+        for k in ("submitted", "started", "launched", "landed", "taken"):
+            if k in e:
+                row[k] = round(1e3 * (e[k] - t_start), 2)
+        row["end"] = round(1e3 * (t_end - t_start), 2)
+        out.append(row)
+    return out
 
 
 def run_case(case: str, a) -> dict:
@@ -61,7 +89,7 @@ def run_case(case: str, a) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     extra = {"root": root, "capacity_bytes": a.capacity, "chunk_tokens": 256, "staging_bytes": a.staging,
              "staging_slots": 1024, "max_inflight_stores": 1000, "mapped_loads": case == "mapped",
-             "hit_policy": "always", "gil_switch_interval_s": "off"}
+             "hit_policy": "always", "gil_switch_interval_s": "off", **json.loads(a.extra)}
     kvt = {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
            "kv_role": "kv_both", "kv_connector_extra_config": extra}
     t0 = time.time()
@@ -109,22 +137,20 @@ def run_case(case: str, a) -> dict:
     import dataclasses
 
     runs = []
-    settings = IDLE_WAITS if a.ab == "idle_wait" else INTERVALS
-    for k, setting in enumerate(settings):
-        if a.ab == "idle_wait":
-            worker.cfg = dataclasses.replace(worker.cfg, idle_load_wait_s=setting)
-            interval = res["switch_interval_default"]
-            run: dict = {"idle_load_wait_s": setting}
-        else:
-            interval = setting
-            run = {"interval_s": interval}
+    for k, (interval, idle) in enumerate(SETTINGS[a.ab]):
+        interval = res["switch_interval_default"] if interval is None else interval
+        worker.cfg = dataclasses.replace(worker.cfg, idle_load_wait_s=idle)
+        run: dict = {"interval_s": interval, "idle_load_wait_s": idle}
         sys.setswitchinterval(interval)
         for n2, p2 in prompts.items():
             llm.reset_prefix_cache()
             before = planner.stats.copy()
+            t_start = time.perf_counter()
             t, outs = gen([p2], one)
+            t_end = time.perf_counter()
             d = planner.stats.since(before)
             run[f"hit_{n2}_s"] = round(t, 4)
+            run[f"hit_{n2}_timeline_ms"] = hit_timeline(worker, t_start, t_end)
             run[f"hit_{n2}_cached"] = outs[0].num_cached_tokens
             run[f"hit_{n2}_load_GBps"] = round(d["bytes_loaded"] / d["load_seconds"] / 1e9, 2) if d["load_seconds"] else None
         if k < 2:
@@ -163,8 +189,10 @@ def main() -> None:
     ap.add_argument("--decode-prompt", type=int, default=2048)
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--timeout", type=int, default=200)
-    ap.add_argument("--ab", default="interval", choices=("interval", "idle_wait"),
-                    help="what alternates: CPython's switch interval, or tutti's idle_load_wait_s (2 ms / off)")
+    ap.add_argument("--extra", default="{}", help="JSON merged into tutti's kv_connector_extra_config")
+    ap.add_argument("--ab", default="interval", choices=tuple(SETTINGS),
+                    help="what alternates: CPython's switch interval, tutti's idle_load_wait_s (2 ms / off), "
+                         "or both crossed (grid)")
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
     if a.case:
@@ -177,7 +205,7 @@ def main() -> None:
     for case in a.cases.split(","):
         cmd = [sys.executable, __file__, "--case", case, "--model", a.model, "--lengths", ",".join(map(str, a.lengths)),
                "--root", a.root, "--capacity", a.capacity, "--staging", a.staging, "--gpu-mem", str(a.gpu_mem),
-               "--decode-prompt", str(a.decode_prompt), "--ab", a.ab] + (["--tiny"] if a.tiny else []) + \
+               "--decode-prompt", str(a.decode_prompt), "--ab", a.ab, "--extra", a.extra] + (["--tiny"] if a.tiny else []) + \
               (["--no-decode"] if a.no_decode else [])
         t0 = time.time()
         try:

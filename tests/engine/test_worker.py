@@ -545,6 +545,34 @@ def test_mapped_loads_come_from_the_mapping_not_read_calls(tmp_path):
     w.close()
 
 
+def test_mapped_loads_copy_chunks_in_consecutive_slots_at_once(tmp_path, monkeypatch):
+    """Chunks stored back to back in one slab reach the ring in one copy (every copy call
+    releases the GIL, and beside vLLM's spinning loop may wait out its switch interval); a chunk
+    elsewhere gets its own, a damaged chunk inside a run still fails alone, and all land bit exact."""
+    from tutti.engine import mapped_loads
+
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(3, [0, 1]), (4, [2, 3]), (5, [4, 5]), (9, [6, 7])])
+    slab = next(p for p in tmp_path.rglob("slab-*.bin"))
+    with open(slab, "r+b") as f:  # flip a byte in layer 1 of slot 4
+        off = 4 * geometry().slot_bytes + geometry().segment_bytes + 5
+        f.seek(off); b = f.read(1); f.seek(off); f.write(bytes([b[0] ^ 0x01]))
+    runs, real = [], mapped_loads._runs
+    monkeypatch.setattr(mapped_loads, "_runs", lambda rows, views, cb: [
+        (r0, v) for r0, v in real(rows, views, cb) if not runs.append((r0, v.numel() // cb))])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, mapped_loads=True)
+    w.warm_up()
+    loads = [LoadChunk("q", bytes([i]) * 32, slot, blocks) for i, (slot, blocks) in
+             enumerate([(3, (14, 15)), (4, (16, 17)), (5, (18, 19)), (9, (20, 21))])]
+    run_step(w, StepPlan(2, loads=loads))
+    assert w.take_failed_blocks() == {16, 17}
+    assert runs == [(0, 3), (3, 1)]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[14, 15, 18, 19, 20, 21]], s[[0, 1, 4, 5, 6, 7]])
+    w.close()
+
+
 def test_mapped_loads_are_off_by_default_off_ram_file_systems(tmp_path):
     from tutti.io.rammap import fs_type
 
@@ -589,6 +617,20 @@ def test_async_loads_are_bit_exact_and_fail_block_by_block(tmp_path, mapped):
         assert torch.equal(d[19], s[5]) and torch.equal(d[18], b0[18])  # the skipped block is vLLM's own
     rep = w.take_report()
     assert 3 in rep.steps_done and rep.load_failed == [loads[1].key]
+    w.close()
+
+
+def test_async_loads_keep_a_timeline_of_each_job(tmp_path):
+    """Each asynchronous job records when it was submitted, started, queued, landed and taken by
+    the step that tells vLLM, in that order (where a hit's wait outside the batch goes)."""
+    store_chunks(tmp_path, make_caches(0), [(0, [0, 1])])
+    w = worker(tmp_path, make_caches(1), async_loads=True)
+    run_step(w, StepPlan(2, async_step=3, async_loads=[LoadChunk("a", bytes([0]) * 32, 0, (14, 15))]))
+    w.flush()
+    assert w.received_requests()[0] == {"a"}
+    (e,) = list(w.async_loads.timeline)
+    assert e["step"] == 3 and e["chunks"] == 1
+    assert e["submitted"] <= e["started"] <= e["launched"] <= e["landed"] <= e["taken"]
     w.close()
 
 
@@ -1020,7 +1062,7 @@ def test_a_step_without_a_forward_waits_for_its_asynchronous_loads(tmp_path):
     w = worker(tmp_path, make_caches(1), async_loads=True, idle_load_wait_s=0.05)
     gate = threading.Event()
     run = w.async_loads._run
-    w.async_loads._run = lambda loads, after=None: (gate.wait(30), run(loads, after))[1]
+    w.async_loads._run = lambda loads, after=None, entry=None: (gate.wait(30), run(loads, after, entry))[1]
     waits = []
     wait = w.async_loads.wait
     w.async_loads.wait = lambda timeout: (waits.append(timeout), wait(timeout))[1]
@@ -1050,7 +1092,7 @@ def test_async_loads_wait_wakes_when_a_job_lands_and_returns_when_none_is_pendin
     a.wait(30)  # nothing pending: at once
     gate = threading.Event()
     run = a._run
-    a._run = lambda loads, after=None: (gate.wait(30), run(loads, after))[1]
+    a._run = lambda loads, after=None, entry=None: (gate.wait(30), run(loads, after, entry))[1]
     a.submit(7, [LoadChunk("a", bytes([0]) * 32, 0, (14, 15))])
     threading.Timer(0.05, gate.set).start()
     a.wait(30)  # returns when the job lands, not after 30 s

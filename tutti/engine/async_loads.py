@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import queue as _queue
 import threading
+import time
+from collections import deque
 from contextlib import nullcontext
 
 import torch
@@ -36,6 +38,10 @@ class AsyncLoads:
         self._failed_blocks: set[int] = set()
         self._pending = 0
         self._landed = threading.Event()  # a job finished: wakes wait()
+        # when each recent job was submitted, started, launched (its copies and kernels queued),
+        # landed on the device and taken by the step that tells vLLM (perf_counter seconds): where
+        # a hit's wait outside the batch goes (bench/gil_interval_ab.py prints it)
+        self.timeline: deque[dict] = deque(maxlen=256)
         self._thread = threading.Thread(target=self._loop, name="tutti-async-loads", daemon=True)
         self._thread.start()
 
@@ -47,9 +53,11 @@ class AsyncLoads:
         if self.stream is not None:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.pipeline.ctx.device))
+        entry = {"step": step, "chunks": len(loads), "submitted": time.perf_counter()}
         with self._lock:
             self._pending += 1
-        self._jobs.put((step, list(loads), after))
+            self.timeline.append(entry)
+        self._jobs.put((step, list(loads), after, entry))
 
     @property
     def pending(self) -> int:
@@ -71,6 +79,11 @@ class AsyncLoads:
         with self._lock:
             out = (self._received, self._failed, self._failed_blocks)
             self._received, self._failed, self._failed_blocks = set(), set(), set()
+            if out[0] or out[1]:
+                now = time.perf_counter()
+                for entry in reversed(self.timeline):
+                    if "landed" in entry and "taken" not in entry:
+                        entry["taken"] = now
             return out
 
     def _loop(self) -> None:
@@ -78,9 +91,10 @@ class AsyncLoads:
             job = self._jobs.get()
             if job is None:
                 return
-            step, loads, after = job
+            step, loads, after, entry = job
+            entry["started"] = time.perf_counter()
             try:
-                failed, blocks = self._run(loads, after)
+                failed, blocks = self._run(loads, after, entry)
             except Exception:  # noqa: BLE001 - every request of the job fails (vLLM recomputes), the thread goes on
                 log.exception("tutti: asynchronous loads of step %d failed", step)
                 failed = {ld.key for ld in loads}
@@ -97,9 +111,10 @@ class AsyncLoads:
                 self._failed |= bad
                 self._failed_blocks |= blocks
                 self._pending -= 1
+                entry["landed"] = time.perf_counter()
             self._landed.set()
 
-    def _run(self, loads: list[LoadChunk], after=None) -> tuple[set[bytes], set[int]]:
+    def _run(self, loads: list[LoadChunk], after=None, entry: dict | None = None) -> tuple[set[bytes], set[int]]:
         """Every layer of `loads`, verified; returns the keys that failed and their blocks."""
         lp = self.pipeline
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
@@ -108,6 +123,8 @@ class AsyncLoads:
                 self.stream.wait_event(after)
             lp.start(loads, layerwise=False)
             lp.finish()
+            if entry is not None:
+                entry["launched"] = time.perf_counter()
             blocks = lp.take_failed_blocks()  # resolves the device verdicts (this thread waits, nobody else)
             if self.stream is not None:
                 landed = torch.cuda.Event(blocking=True)  # this thread sleeps on it instead of spinning

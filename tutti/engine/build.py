@@ -355,8 +355,8 @@ class ReplicaReader:
     def maps_ram(self) -> bool:
         return bool(self._args["map_ram"]) and not self._args["access"].shared
 
-    def mapped(self, slot: int, layer: int = 0, nbytes: int | None = None):
-        return None if self._store is None else self._store.mapped(slot, layer, nbytes)
+    def mapped(self, slot: int, layer: int = 0, nbytes: int | None = None, sizes: dict | None = None):
+        return None if self._store is None else self._store.mapped(slot, layer, nbytes, sizes)
 
     def map_all(self) -> int:
         return 0 if self._store is None else self._store.map_all()

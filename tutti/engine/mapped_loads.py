@@ -26,9 +26,10 @@ def load_mapped(lp: "LoadPipeline") -> set[int]:
     ctx = lp.ctx
     cb = ctx.chunk_bytes
     views: dict[int, torch.Tensor] = {}
+    sizes: dict[object, dict] = {}  # per writer: its slabs' sizes, one fstat each this step
     for i, ld in enumerate(lp._loads):
         try:
-            v = lp._source(ld)[0].mapped(ld.slot, 0, cb)
+            v = lp._source(ld)[0].mapped(ld.slot, 0, cb, sizes.setdefault(ld.source, {}))
         except Exception:  # noqa: BLE001 - the file path reports what is wrong
             v = None
         if v is not None:
@@ -64,13 +65,36 @@ def _load_group(lp: "LoadPipeline", buf: torch.Tensor, idx: list[int], views: di
             continue
         if ctx.mac is not None and not lp._tags_match(ld, lp._sums[i], views[i]):
             continue
-        buf[r * cb:(r + 1) * cb].copy_(views[i], non_blocking=ctx.cuda)
         good.append(r)
     if not good:
         return
+    for r0, src in _runs(good, [views[i] for i in idx], cb):
+        buf[r0 * cb:r0 * cb + src.numel()].copy_(src, non_blocking=ctx.cuda)
     chunks = buf[: n * cb].view(n, L, seg)
     layers = list(range(L))
     lp.verify(chunks, idx, layers, 0)
     lp.scatter(chunks, idx, layers, good, 0)
     lp._bytes += len(good) * L * seg
     lp._mapped_bytes += len(good) * L * seg
+
+
+def _runs(rows: list[int], views: list[torch.Tensor], cb: int):
+    """(first ring row, source) per run of rows whose chunks lie back to back in one mapping
+    (a prompt's chunks are usually stored in consecutive slots): one copy each instead of one
+    per chunk, since every copy call releases the GIL and may wait out vLLM's spinning loop."""
+    start = prev = rows[0]
+    for r in rows[1:] + [None]:
+        if r is not None and r == prev + 1 and _adjacent(views[prev], views[r], cb):
+            prev = r
+            continue
+        n = prev - start + 1
+        v = views[start]
+        yield start, (v if n == 1 else v.as_strided((n * cb,), (1,)))
+        if r is not None:
+            start = prev = r
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor, cb: int) -> bool:
+    """b starts where a ends, in the same mapping (storage)."""
+    return (b.data_ptr() == a.data_ptr() + cb
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())

@@ -150,16 +150,24 @@ class Slabs:
             pos += n
 
     # ---- RAM mappings ---------------------------------------------------------------------
-    def mapped(self, r: int, slab: int, off: int, n: int):
+    def mapped(self, r: int, slab: int, off: int, n: int, sizes: dict | None = None):
         """The mapping's bytes [off, off + n) of slab `slab` under root r, or None (not mapped,
         or the file shorter than that: a slab that shrank under its mapping, a restore, `: >
         slab-0.bin`, is never touched through it, since past the file's end the mapping faults
-        (SIGBUS) instead of failing one read; the file path reads it short and fails the chunk)."""
+        (SIGBUS) instead of failing one read; the file path reads it short and fails the chunk).
+        `sizes`: the caller's cache of file sizes for one step, so a 127-chunk load makes one
+        fstat per slab, not one per chunk (each a GIL release beside vLLM's spinning loop)."""
         t = self.maps.get((r, slab))
         if t is None:
             t = self.map_slab(r, slab)
-        if t is not None and os.fstat(self.fd(r, slab)).st_size < off + n:
-            return None
+        if t is not None:
+            size = None if sizes is None else sizes.get((r, slab))
+            if size is None:
+                size = os.fstat(self.fd(r, slab)).st_size
+                if sizes is not None:
+                    sizes[(r, slab)] = size
+            if size < off + n:
+                return None
         return None if t is None or off + n > t.numel() else t[off:off + n]
 
     def length(self, r: int, slab: int) -> int:

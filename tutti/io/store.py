@@ -266,10 +266,11 @@ class ChunkStore:
         """map_all mapped the writer's whole capacity: stores copy into the maps."""
         return self.slabs is not None and self.slabs.maps_every_slab
 
-    def mapped(self, slot: int, layer: int = 0, nbytes: int | None = None):
+    def mapped(self, slot: int, layer: int = 0, nbytes: int | None = None, sizes: dict | None = None):
         """A uint8 CPU tensor over layer `layer` of `slot` (and `nbytes` past it, default one
         segment) in the slab's mapping, registered for DMA where CUDA is; None when this store
-        maps nothing or the slab file is shorter than its slots (then use location())."""
+        maps nothing or the slab file is shorter than its slots (then use location()). `sizes`:
+        a per-step cache of slab sizes (tutti.io.slabs.Slabs.mapped)."""
         if not self.maps_ram:
             return None
         self._check_open()
@@ -277,7 +278,7 @@ class ChunkStore:
         r, slab, off = self.place(slot)
         off += segment_offset(layer, self.segment_bytes)
         with self._mutex:
-            return self.slabs.mapped(r, slab, off, self.segment_bytes if nbytes is None else nbytes)
+            return self.slabs.mapped(r, slab, off, self.segment_bytes if nbytes is None else nbytes, sizes)
 
     def map_all(self) -> int:
         """Map (and register) every slab at a server's start-up (tutti.io.slabs.Slabs.map_all);
