@@ -301,7 +301,7 @@ def test_mapped_store_copy_is_one_of_its_names():
 
 
 def test_idle_load_wait_is_seconds_or_off():
-    assert EngineConfig.from_dict(base()).idle_load_wait_s == 0
+    assert EngineConfig.from_dict(base()).idle_load_wait_s == 0.002  # the default
     assert EngineConfig.from_dict(base(idle_load_wait_s=0.002)).idle_load_wait_s == 0.002
     assert EngineConfig.from_dict(base(idle_load_wait_s="off")).idle_load_wait_s == 0
     assert EngineConfig.from_dict(base(idle_load_wait_s=0.01)).idle_load_wait_s == 0.01

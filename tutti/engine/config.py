@@ -250,10 +250,12 @@ class EngineConfig:
     # for the asynchronous loads in flight, the GIL released, before it returns: vLLM's engine loop
     # would otherwise spin in Python, and every torch call and IO completion of the loading thread
     # waits for the GIL behind it. No forward pass waits (the step has none); a request arriving
-    # meanwhile waits this long at most. 0 (the default; "off" says the same) returns at once: on
-    # the CPU machine (bench/gil_interval_ab.py --ab idle_wait --tiny) 2 ms made hits no faster and
-    # mapped ones up to 20% slower; the GPU A/B is that command without --tiny.
-    idle_load_wait_s: Any = 0.0
+    # meanwhile waits this long at most. 0 ("off") returns at once. 2 ms (the default): on the CPU
+    # machine's real engine with asynchronous loads (bench/gil_interval_ab.py --ab grid --tiny
+    # --extra '{"async_loads": true}', docs/results/idle_wait_cpu_async.json) it made 2k hits 2-4x
+    # faster on both paths: without it the load thread took 330-800 ms to queue 7 chunks, waiting
+    # for the GIL behind the loop; the GPU A/B is that command without --tiny.
+    idle_load_wait_s: Any = 0.002
     # How a store reaches a mapped RAM root's slot (stores into maps, tutti.engine.stores):
     # "dma": the writer thread copies a run's chunks from the device staging into the slots'
     # registered mappings, all at once; "dma_chunk": the same, one chunk's copy in flight at a time
