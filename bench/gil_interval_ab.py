@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
@@ -45,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from subcase import emit, run_case as run_subcase  # noqa: E402
 from vllm_ttft import bench_engine, make_model, prompt, timed_generate  # noqa: E402
 
 # (switch interval, idle_load_wait_s) per run; None: CPython's default interval
@@ -196,7 +196,7 @@ def main() -> None:
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
     if a.case:
-        print("CASE_RESULT " + json.dumps(run_case(a.case, a)), flush=True)
+        emit(run_case(a.case, a))
         return
     os.makedirs(a.out, exist_ok=True)
     if not a.model:
@@ -207,16 +207,8 @@ def main() -> None:
                "--root", a.root, "--capacity", a.capacity, "--staging", a.staging, "--gpu-mem", str(a.gpu_mem),
                "--decode-prompt", str(a.decode_prompt), "--ab", a.ab, "--extra", a.extra] + (["--tiny"] if a.tiny else []) + \
               (["--no-decode"] if a.no_decode else [])
-        t0 = time.time()
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-            lines = [l for l in p.stdout.splitlines() if l.startswith("CASE_RESULT ")]
-            r = json.loads(lines[-1][12:]) if lines else {"case": case, "error": (p.stderr or p.stdout)[-3000:]}
-            r["progress"] = [l for l in p.stderr.splitlines() if l.startswith(case + " ")]
-        except subprocess.TimeoutExpired as exc:
-            r = {"case": case, "error": f"timeout after {a.timeout} s",
-                 "progress": [l for l in (exc.stderr or b"").decode(errors="replace").splitlines() if l.startswith(case + " ")]}
-        r["wall_s"] = round(time.time() - t0, 1)
+        r, _ = run_subcase(cmd, timeout=a.timeout, progress=case + " ")
+        r.setdefault("case", case)
         results.append(r)
         print("GIL_AB " + json.dumps(r)[:4000], flush=True)
         with open(os.path.join(a.out, "gil_ab.json"), "w") as f:

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
@@ -36,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from subcase import emit, run_case  # noqa: E402
 from vllm_ttft import bench_engine, make_model, prompt, timed_generate  # noqa: E402
 
 
@@ -67,11 +67,16 @@ def run_phase(phase: str, a) -> dict:
     from tutti.vllm import compat
 
     t0 = time.time()
+
+    def progress(what: str) -> None:  # kept by the driver also when the phase runs out of time
+        print(f"LOC_PROGRESS {phase} {time.time() - t0:.1f}s {what}", file=sys.stderr, flush=True)
+
     llm = bench_engine(a.model, kv_config(a), max_len=max(a.lengths) + 512, gpu_mem=a.gpu_mem, eager=a.tiny,
                        batched_tokens=a.batched_tokens, async_scheduling=False if a.no_async_scheduling else None)
     res: dict = {"phase": phase, "engine_start_s": round(time.time() - t0, 1),
                  "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
                  "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)}
+    progress("engine started")
     if on_cuda():
         res["reseeded_tensors"] = llm.collective_rpc(rpc_reseed, args=(1234, "plain"))[0]
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -92,7 +97,9 @@ def run_phase(phase: str, a) -> dict:
             llm.reset_prefix_cache()
             t, o = gen([p], sixteen)
             res[f"first_{n}"] = {"s": round(t, 4), "tokens16": list(o[0].outputs[0].token_ids)}
+            progress(f"first prefill of {n} tokens: {t:.3f} s")
         worker.flush()
+        progress("stores settled")
         for _ in range(3):  # deliver the stores' reports to the scheduler
             gen([prompt(999, 16, vocab)], one)
             time.sleep(0.2)
@@ -118,6 +125,7 @@ def run_phase(phase: str, a) -> dict:
                 _, o16 = gen([p], sixteen)
                 r = res.setdefault(f"{name}_{n}", {"s": [], "loaded_tokens": [], "declined_tokens": []})
                 r["s"].append(round(t, 4))
+                progress(f"{name} {n}: {t:.3f} s, {int(d['hit_tokens'])} tokens loaded")
                 r["loaded_tokens"].append(int(d["hit_tokens"]))
                 r["declined_tokens"].append(int(d["declined_hit_tokens"]))
                 r["cached"] = o[0].num_cached_tokens
@@ -181,7 +189,7 @@ def main() -> None:
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
     if a.phase:
-        print("PHASE_RESULT " + json.dumps(run_phase(a.phase, a)), flush=True)
+        emit(run_phase(a.phase, a), "PHASE_RESULT")
         return
     os.makedirs(a.out, exist_ok=True)
     if a.tiny:
@@ -203,15 +211,8 @@ def main() -> None:
                "--gpu-mem", str(a.gpu_mem), "--policies", a.policies, "--repeats", str(a.repeats),
                "--tutti-extra", a.tutti_extra] + (["--tiny"] if a.tiny else []) + \
             (["--no-async-scheduling"] if a.no_async_scheduling else [])
-        t = time.perf_counter()
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-            lines = [l for l in p.stdout.splitlines() if l.startswith("PHASE_RESULT ")]
-            r = json.loads(lines[-1][13:]) if lines else {"error": (p.stderr or p.stdout)[-4000:]}
-            r["tutti_log"] = [l[-400:] for l in p.stderr.splitlines() if "tutti" in l and "ready" in l][-4:]
-        except subprocess.TimeoutExpired as exc:
-            r = {"error": f"timed out after {a.timeout} s", "stderr": str(exc.stderr)[-3000:]}
-        r["wall_s"] = round(time.perf_counter() - t, 1)
+        r, err = run_case(cmd, timeout=a.timeout, marker="PHASE_RESULT", progress="LOC_PROGRESS")
+        r["tutti_log"] = [l[-400:] for l in err.splitlines() if "tutti" in l and "ready" in l][-4:]
         out["phases"][phase] = r
         print(f"LOC {phase} " + json.dumps({k: v for k, v in r.items() if k not in ("tutti_log",)})[:3000], flush=True)
         if "error" in r:

@@ -34,12 +34,13 @@ import glob
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from subcase import emit, run_case as run_subcase  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- model
@@ -362,7 +363,7 @@ def main() -> None:
 
     a.capacity_int = parse_bytes("capacity", a.capacity)
     if a.case:
-        print("CASE_RESULT " + json.dumps(run_case(a.case, a)), flush=True)
+        emit(run_case(a.case, a))
         return
     os.makedirs(a.out, exist_ok=True)
     if not a.model:
@@ -378,23 +379,14 @@ def main() -> None:
                "--idle-batch", str(a.idle_batch), "--idle-prompt", str(a.idle_prompt),
                "--idle-tokens", str(a.idle_tokens)] + (["--eager"] if a.eager else []) + \
               (["--no-decode"] if a.no_decode else [])
-        t0 = time.time()
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
-                               env={**os.environ, "TUTTI_TRACE": "1"})
-            lines = [l for l in p.stdout.splitlines() if l.startswith("CASE_RESULT ")]
-            if p.returncode != 0 or not lines:
-                results.append({"case": case, "error": (p.stderr or p.stdout)[-3000:]})
-            else:
-                results.append(json.loads(lines[-1][len("CASE_RESULT "):]))
-        except subprocess.TimeoutExpired as exc:
-            results.append({"case": case, "error": f"timeout after {a.timeout}s: {str(exc.stderr)[-2000:]}"})
-        results[-1]["wall_s"] = time.time() - t0
+        r, _ = run_subcase(cmd, timeout=a.timeout, env={**os.environ, "TUTTI_TRACE": "1"})
+        r.setdefault("case", case)
+        results.append(r)
         if case.startswith("tutti") and not (a.ceiling and case in ("tutti_shm", "tutti_disk")):
             # a RAM root holds --capacity of host memory: the next case (or the next command on the
             # machine) must not start without it
             shutil.rmtree(case_root(case, a), ignore_errors=True)
-        print(f"{case}: {time.time() - t0:.0f}s {'ERROR' if 'error' in results[-1] else 'ok'}", flush=True)
+        print(f"{case}: {r['wall_s']:.0f}s {'ERROR' if 'error' in r else 'ok'}", flush=True)
         with open(os.path.join(a.out, "ttft.json"), "w") as f:
             json.dump(results, f, indent=1)
     ceil = {}

@@ -16,11 +16,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
+from subcase import emit, run_case as run_subcase  # noqa: E402
 from vllm_ttft import prompt, run_joining  # noqa: E402
 
 CHUNK = 256
@@ -110,18 +110,16 @@ def main() -> None:
     ap.add_argument("--root", default="/dev/shm/tutti-full-graph")
     a = ap.parse_args()
     if a.case:
-        print("CASE_RESULT " + json.dumps(run_case(a.case, a.model, a.root)), flush=True)
+        emit(run_case(a.case, a.model, a.root))
         return
     os.makedirs(a.out, exist_ok=True)
     model = make_model(os.path.join(a.out, "model"))
     shutil.rmtree(a.root, ignore_errors=True)
     res = {}
     for case in ("recompute", "tutti"):
-        p = subprocess.run([sys.executable, __file__, "--case", case, "--model", model, "--root", a.root],
-                           capture_output=True, text=True, timeout=400)
-        lines = [l for l in p.stdout.splitlines() if l.startswith("CASE_RESULT ")]
-        res[case] = json.loads(lines[-1][12:]) if lines else {"error": (p.stderr or p.stdout)[-3000:]}
-        res[case]["tutti_log"] = [l for l in p.stderr.splitlines() if "tutti" in l][-40:]
+        res[case], err = run_subcase([sys.executable, __file__, "--case", case, "--model", model, "--root", a.root],
+                                     timeout=400)
+        res[case]["tutti_log"] = [l for l in err.splitlines() if "tutti" in l][-40:]
     ok = all("error" not in r for r in res.values())
     summary = {"ok": ok}
     if ok:

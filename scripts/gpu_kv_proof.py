@@ -29,13 +29,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+from subcase import emit, run_case as run_subcase  # noqa: E402
 from vllm_ttft import make_model, prompt, run_joining  # noqa: E402
 
 CHUNK = 256
@@ -463,7 +463,7 @@ def main() -> None:
     a.lengths = [int(x) for x in a.lengths.split(",")]
     a.vocab = 4096 if a.tiny else 32000
     if a.case:
-        print("CASE_RESULT " + json.dumps(run_case(a.case, a)), flush=True)
+        emit(run_case(a.case, a))
         return
     os.makedirs(a.out, exist_ok=True)
     if a.tiny:
@@ -482,12 +482,9 @@ def main() -> None:
                "--reseed", a.reseed]
         if a.tiny:
             cmd.append("--tiny")
-        t = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a_timeout())
-        lines = [l for l in p.stdout.splitlines() if l.startswith("CASE_RESULT ")]
-        r = json.loads(lines[-1][12:]) if lines else {"case": case, "error": (p.stderr or p.stdout)[-4000:]}
-        r["wall_s"] = round(time.perf_counter() - t, 1)
-        r["tutti_log"] = [l[-300:] for l in p.stderr.splitlines() if "tutti" in l][-30:]
+        r, err = run_subcase(cmd, timeout=a_timeout(), tail=4000)
+        r.setdefault("case", case)
+        r["tutti_log"] = [l[-300:] for l in err.splitlines() if "tutti" in l][-30:]
         results[case] = r
         summary.append(summarize(r) if "error" not in r else {"case": case, "error": r["error"][-1500:]})
         print("KV_PROOF " + json.dumps(summary[-1]), flush=True)

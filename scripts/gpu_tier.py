@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+from subcase import emit, run_case  # noqa: E402
 
 
 def kvt(tier: str, root: str, cpu_bytes: int) -> dict | None:
@@ -91,12 +92,8 @@ def run_phase(a, name: str, tier: str, root: str, model: str, lengths: list[int]
                 f.write("3\n")
         except OSError:
             pass
-    t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PHASE ")]
-    res = json.loads(lines[-1][6:]) if p.returncode == 0 and lines else {"error": (p.stderr or p.stdout)[-3000:]}
-    res["wall_s"] = time.time() - t0
-    res["tier_refusals"] = p.stderr.count("failed its check")
+    res, err = run_case(cmd, timeout=a.timeout, marker="PHASE", env=env)
+    res["tier_refusals"] = err.count("failed its check")
     print(f"{tier} {name}: {res['wall_s']:.0f}s {'ERROR' if 'error' in res else 'ok'}", flush=True)
     return res
 
@@ -145,7 +142,7 @@ def main() -> None:
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
     if a.phase:
-        print("PHASE " + json.dumps(phase(a)), flush=True)
+        emit(phase(a), "PHASE")
         return
     import shutil
 
