@@ -46,6 +46,7 @@ class _Run:
     ready: object = None  # CUDA event: gather, checksums and device-to-host copy finished
     free_slots: list[int] = field(default_factory=list)  # journal these free before writing
     t0: float = 0.0
+    released: int = 0  # leading regions already given back (copied into the maps, chunk by chunk)
 
 
 class StorePipeline:
@@ -194,7 +195,7 @@ class StorePipeline:
             self._fail(run.chunks, f"writer error: {exc}", skipped=False)
         finally:
             if not held:
-                self.arena.release(run.first, len(run.chunks))
+                self._give_back(run, len(run.chunks))
 
     def reap_stragglers(self) -> int:
         """Give back what late writes held once they landed; returns how many are still out."""
@@ -260,7 +261,8 @@ class StorePipeline:
         finally:
             if stalled:
                 with self._lock:
-                    self._stragglers.append((futures, pinned, run.first, len(run.chunks)))
+                    self._stragglers.append((futures, pinned, run.first + run.released,
+                                             len(run.chunks) - run.released))
             else:
                 for s in pinned:
                     store.release(s)
@@ -316,8 +318,18 @@ class StorePipeline:
                     dst[lo:hi].copy_(src[lo:hi], non_blocking=dma)  # host: a memcpy, torch releases the GIL
                 if self.map_copy == "dma_chunk":
                     self._wait_copies()  # one chunk ahead of a decode step's own copy at most
+                if self.map_copy != "dma":  # this chunk's bytes are in its slot: its region (and any
+                    self._give_back(run, i + 1)  # skipped one before it) serves the next step's stores
             if dma:
                 self._wait_copies()
+
+    def _give_back(self, run: _Run, upto: int) -> None:
+        """Regions [released, upto) of `run` back to the arena while the rest of the run is still
+        being copied: a burst of prefill then finds staging a chunk at a time instead of waiting
+        for the whole run (and its commit), so fewer stores are skipped."""
+        if upto > run.released:
+            self.arena.release(run.first + run.released, upto - run.released)
+            run.released = upto
 
     def _wait_copies(self) -> None:
         """Sleep (GIL released) until the copy stream's work so far has landed."""
