@@ -111,6 +111,11 @@ def run_phase(phase: str, a) -> dict:
               "prefill_tok_s": planner.meter.prefill_rate and round(planner.meter.prefill_rate)}
     res["rates_before_hits"] = rates0
     policies = {"auto": CostModel(), "always": Always(), "never": Never()}
+    rec = None
+    if a.py_spy:  # who holds the GIL in this process (the step's thread, tutti's IO and load threads) during the hits
+        from gil_profile import GilRecorder, find_py_spy
+
+        rec = GilRecorder.start(find_py_spy(a.py_spy), os.getpid(), os.path.join(a.out, f"gil_hits_{a.geometry}.txt"))
     for n, p in prompts.items():
         for name in a.policies.split(","):
             planner.hit_policy = policies[name]
@@ -142,6 +147,8 @@ def run_phase(phase: str, a) -> dict:
         _, o16 = gen([p], sixteen)
         res[f"vllm_prefix_cache_{n}"] = {"cached": o16[0].num_cached_tokens,
                                          "tokens16": list(o16[0].outputs[0].token_ids)}
+    if rec is not None:
+        res["gil"] = rec.stop()
     res["stats"] = dict(vars(planner.stats))
     return res
 
@@ -170,6 +177,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", default="")
     ap.add_argument("--out", default="/tmp/load_or_compute")
+    ap.add_argument("--py-spy", default="", help="sample who holds the GIL in the hit phase's process during its hits "
+                    "(py-spy --gil; 'auto' finds it on PATH or in .gpu_pytest/bin); off by default")
     ap.add_argument("--model", default="")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--geometry", default="8b", choices=("8b", "70b"))
@@ -191,6 +200,12 @@ def main() -> None:
     if a.phase:
         emit(run_phase(a.phase, a), "PHASE_RESULT")
         return
+    if a.py_spy:
+        from gil_profile import find_py_spy
+
+        if find_py_spy(a.py_spy) is None:
+            raise SystemExit(f"--py-spy {a.py_spy!r}: no py-spy executable found; pip install py-spy, or "
+                             "give its path, or leave --py-spy out")
     os.makedirs(a.out, exist_ok=True)
     if a.tiny:
         from tutti.demo import make_tiny_model
@@ -209,8 +224,8 @@ def main() -> None:
                "--capacity", a.capacity, "--lengths", ",".join(map(str, a.lengths)),
                "--chunk-tokens", str(a.chunk_tokens), "--batched-tokens", str(a.batched_tokens),
                "--gpu-mem", str(a.gpu_mem), "--policies", a.policies, "--repeats", str(a.repeats),
-               "--tutti-extra", a.tutti_extra] + (["--tiny"] if a.tiny else []) + \
-            (["--no-async-scheduling"] if a.no_async_scheduling else [])
+               "--tutti-extra", a.tutti_extra, "--out", a.out, "--py-spy", a.py_spy] + \
+            (["--tiny"] if a.tiny else []) + (["--no-async-scheduling"] if a.no_async_scheduling else [])
         r, err = run_case(cmd, timeout=a.timeout, marker="PHASE_RESULT", progress="LOC_PROGRESS")
         r["tutti_log"] = [l[-400:] for l in err.splitlines() if "tutti" in l and "ready" in l][-4:]
         out["phases"][phase] = r
