@@ -25,10 +25,12 @@ scheduling handed it to the worker, when the load thread took it, queued it, saw
 when a step told vLLM, against the first token's time.
 
 `--ab idle_wait` alternates tutti's `idle_load_wait_s` (2 ms, off) instead: a step with nothing
-to compute sleeps until an asynchronous load lands instead of returning to the spinning loop.
-On the CPU machine (`--tiny --model <8 layers of 8 KV heads>`, hits of 2k and 4k tokens, Triton's
-interpreter) it made no hit faster (file path 0.59-0.63 s either way) and mapped hits slower
-(2.0 -> 2.3-2.5 s at 2k): off by default until the GPU A/B.
+to compute sleeps until an asynchronous load lands instead of returning to the spinning loop;
+`--ab grid` crosses it with the switch interval. The CPU engine schedules synchronously, so its
+hits load in the step and no step waits unless `--extra '{"async_loads": true}'` makes them
+asynchronous, as they are on a GPU in default mode; then 2 ms made 2k hits 2-4x faster on both
+paths (`docs/results/idle_wait_cpu_async.json`), and on the H200 it took the 32k RAM hit from
+0.160-0.185 s to 0.118-0.126 s (`docs/results/gil_ab_h200_idle_grid.json`): 2 ms is the default.
 """
 
 from __future__ import annotations

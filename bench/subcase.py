@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from typing import Sequence
 
@@ -58,8 +57,3 @@ def _text(b: bytes | str | None) -> str:
     if b is None:
         return ""
     return b if isinstance(b, str) else b.decode(errors="replace")
-
-
-def self_cmd(script: str, *args: str) -> list[str]:
-    """The command that runs `script` again in this interpreter (a case of the same driver)."""
-    return [sys.executable, script, *args]

@@ -111,7 +111,7 @@ def connector_config(case: str, a) -> dict | None:
             extra["mapped_loads"] = False
         if case.endswith("_gil05ms"):  # a GIL switch interval of 0.5 ms (CPython's own: 5 ms)
             extra["gil_switch_interval_s"] = 0.0005
-        for copy in ("dma_chunk", "host"):  # how stores reach the mapped slots (default: "dma")
+        for copy in ("dma_chunk", "host"):  # how stores reach the mapped slots (default: "dma_chunk")
             if case.endswith("_" + copy):
                 extra["mapped_store_copy"] = copy
         return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",

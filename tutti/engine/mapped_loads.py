@@ -26,7 +26,10 @@ def load_mapped(lp: "LoadPipeline") -> set[int]:
     ctx = lp.ctx
     cb = ctx.chunk_bytes
     views: dict[int, torch.Tensor] = {}
-    sizes: dict[object, dict] = {}  # per writer: its slabs' sizes, one fstat each this step
+    # per writer, its slabs' sizes, one fstat each: every view is copied from within this call, so
+    # the check stays as close to the copy as one per chunk was (the layer-wise path, whose copies
+    # run through the forward, keeps one fstat per chunk and layer)
+    sizes: dict[object, dict] = {}
     for i, ld in enumerate(lp._loads):
         try:
             v = lp._source(ld)[0].mapped(ld.slot, 0, cb, sizes.setdefault(ld.source, {}))

@@ -160,15 +160,13 @@ class Slabs:
         t = self.maps.get((r, slab))
         if t is None:
             t = self.map_slab(r, slab)
-        if t is not None:
-            size = None if sizes is None else sizes.get((r, slab))
-            if size is None:
-                size = os.fstat(self.fd(r, slab)).st_size
-                if sizes is not None:
-                    sizes[(r, slab)] = size
-            if size < off + n:
-                return None
-        return None if t is None or off + n > t.numel() else t[off:off + n]
+        if t is None:
+            return None
+        sizes = {} if sizes is None else sizes
+        size = sizes.get((r, slab))
+        if size is None:
+            size = sizes[(r, slab)] = os.fstat(self.fd(r, slab)).st_size
+        return None if size < off + n or off + n > t.numel() else t[off:off + n]
 
     def length(self, r: int, slab: int) -> int:
         """Bytes of slab `slab` under root r: whole slots of the capacity, never past it."""
