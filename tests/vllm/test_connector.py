@@ -357,3 +357,25 @@ def test_a_full_store_gives_up_an_older_prompt_from_its_end(tiny_model, tmp_path
     assert [r["cached"] for r in res] == [0, 0, 2 * CHUNK], res
     assert res[2]["tokens"] == ref[0]
     assert stats["stores_committed"] == 4 + 4 + 2 and stats["loads_failed"] == 0  # a's tail stored again
+
+
+def test_skipped_stores_are_said_in_vllms_log(tiny_model, tmp_path):
+    """The engine logs under "tutti.*" (it knows nothing of vLLM); under vLLM its warnings must
+    reach vLLM's log stream (stdout here), or a server that skips stores never says why (a
+    `vllm serve` run on the H200 counted 6 skipped stores with no line in its log). Staging of
+    three slots, one for stores, makes three 1000-token prompts skip most of theirs."""
+    kvt = harness.kv_config(tmp_path / "kv", chunk=CHUNK, capacity="64MiB", staging_bytes="1MiB", staging_slots=3,
+                            max_inflight_stores=1)
+    code = (
+        "import json, harness\n"
+        f"llm = harness.make_llm({str(tiny_model)!r}, kv_transfer_config={kvt!r})\n"
+        f"harness.generate_ids(llm, {[prompt(80 + i, 1000) for i in range(3)]!r}, 2)\n"
+        "harness.settle(llm)\n"
+        "print('STATS', json.dumps(vars(harness.connector(llm).planner.stats)))\n"
+        "harness.shutdown_llm(llm)\n"
+    )
+    out = harness.run_in_subprocess(code)
+    stats = json.loads([l for l in out.splitlines() if l.startswith("STATS ")][-1][6:])
+    assert stats["stores_skipped"] > 0
+    said = [l for l in out.splitlines() if "stores skipped" in l]
+    assert len(said) == 1 and "WARNING" in said[0] and "staging_bytes" in said[0], out[-3000:]

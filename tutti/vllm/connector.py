@@ -35,6 +35,7 @@ from tutti.engine.build import build_planner, build_worker, check_geometry, segm
 from tutti.engine.hostcost import (HOST_COST_INTERVAL_S, WAITS, HookClock, ThreadCPU, scheduler_threads, timed,
                                    worker_threads)
 from tutti.vllm import compat
+from tutti.vllm.logs import route_tutti_logs
 from tutti.vllm.events import EventPublisher, KVEventTracker, expand_topic
 from tutti.vllm.stats import SchedulerStatsTracker, TuttiKVConnectorStats, TuttiPromMetrics, stats_from
 
@@ -76,6 +77,7 @@ def _config_errors():
 class TuttiConnectorV1(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         compat.init_base(self, vllm_config, role, kv_cache_config)
+        route_tutti_logs()
         with _config_errors():
             self._init(vllm_config, role, kv_cache_config)
 

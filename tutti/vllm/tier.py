@@ -36,6 +36,7 @@ from tutti.format import FORMAT_VERSION, align_up
 from tutti.io.integrity import CRC_TAG, SegmentMac, crc_tag, load_secret
 from tutti.io.store import ChunkStore
 from tutti.vllm import compat
+from tutti.vllm.logs import route_tutti_logs
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import LookupResult
@@ -80,6 +81,7 @@ class TuttiTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, backpressure_detector=None,
                  **config: Any) -> None:
+        route_tutti_logs()
         unknown = sorted(set(config) - _KNOWN)
         if unknown:
             raise ValueError(f"secondary_tiers[type={tier_type}]: unknown key(s) {unknown}; allowed: {sorted(_KNOWN)}")
