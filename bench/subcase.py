@@ -5,7 +5,8 @@ one case's engine, CUDA context, GIL setting or crash never leaks into the next,
 hangs is cut off by its timeout while the others' figures survive. The case prints one line,
 `<marker> <json>`, on stdout; the driver keeps the last such line. A case that printed its result
 and then died (vLLM's shutdown can) still counts, with its exit code beside it; one that printed
-nothing, or ran out of time, comes back as `{"error": ...}` with the tail of what it wrote, and
+nothing, or ran out of time, comes back as `{"error": ...}` with the tail of what it wrote (stderr
+in the error, stdout's last lines in `stdout_tail`: vLLM logs there), and
 the progress lines it printed before (`progress`), so a timed-out case says how far it got.
 """
 
@@ -41,6 +42,8 @@ def run_case(cmd: Sequence[str], *, timeout: float, marker: str = MARK, env: dic
     except subprocess.TimeoutExpired as exc:
         out, err = _text(exc.stdout), _text(exc.stderr)
         res = parse(out, marker) or {"error": f"timed out after {timeout:g} s: {err[-tail:]}"}
+    if "error" in res and out:  # vLLM logs on stdout: where a failed or hung case's engine got to
+        res["stdout_tail"] = [ln[-300:] for ln in out.splitlines() if "it/s]" not in ln][-20:]
     if progress:
         res["progress"] = [ln for ln in (out + "\n" + err).splitlines() if ln.startswith(progress)]
     res["wall_s"] = round(time.perf_counter() - t0, 1)

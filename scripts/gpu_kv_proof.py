@@ -289,7 +289,7 @@ def rpc_set(self, what: str, value) -> bool:
             w.loads.wait_layer = lambda layer: None
             w.loads.finish = lambda: None
             if w.async_loads is not None:  # received at once, nothing read or written
-                w.async_loads._run = lambda loads, after=None: (set(), set())
+                w.async_loads._run = lambda *args, **kw: (set(), set())
         else:
             for name in ("start", "wait_layer", "finish"):
                 w.loads.__dict__.pop(name, None)
@@ -342,6 +342,11 @@ def run_case(case: str, a) -> dict:
     def rpc(fn, *args):
         return llm.collective_rpc(fn, args=args)[0]
 
+    def progress(what: str) -> None:  # on stderr: a case that runs out of time says how far it got
+        print(f"KVP_PROGRESS {time.perf_counter() - t0:.1f}s {what}", file=sys.stderr, flush=True)
+
+    progress(f"engine started in {info['start_s']} s")
+
     def gen(ids, n=16):
         t = time.perf_counter()
         o = llm.generate([{"prompt_token_ids": ids}], greedy(n), use_tqdm=False)[0]
@@ -367,6 +372,7 @@ def run_case(case: str, a) -> dict:
     prompts = {}
     for n in a.lengths:
         p = prompts[n] = prompt(n, n, a.vocab)
+        progress(f"hit_{n}: first prefill")
         toks, cached, dt = gen(p)
         rec = {"first": {"tokens": toks, "cached": cached, "s": round(dt, 3)}}
         if n == a.lengths[0]:  # the FULL-graph case's reference: vLLM's prefix cache over this very KV
@@ -378,6 +384,7 @@ def run_case(case: str, a) -> dict:
         gen(p[: n - CHUNK], 1)
         toks_v, cached_v, _ = gen(p)
         rec["vllm_prefix_cache"] = {"tokens": toks_v, "cached": cached_v, "tokens_equal_first": toks_v == toks}
+        progress(f"hit_{n}: vLLM's prefix cache in the hit's shape done; the hit")
         fresh(n)
         toks2, cached2, dt2 = gen(p)
         rec["hit"] = {"tokens_equal": toks2 == toks, "cached": cached2, "s": round(dt2, 3), "tokens": toks2,
@@ -388,6 +395,7 @@ def run_case(case: str, a) -> dict:
     # FULL graph: decode requests running, then a hit whose last token is the only one to compute
     n0 = a.lengths[0]
     p_join = prompts[n0] + [7]
+    progress("full-graph join")
     fresh(77)
     reqs = {f"d{i}": (prompt(100 + i, 100, a.vocab), 48) for i in range(6)}
     reqs["hit"] = (p_join, 16)
@@ -398,6 +406,7 @@ def run_case(case: str, a) -> dict:
     # damaged segments with checksums on: exactly those chunks fail, vLLM recomputes, tokens stay
     p = prompts[n0]
     ref_toks = out[f"hit_{n0}"]["first"]["tokens"]
+    progress("damaged store")
     damaged = rpc(rpc_damage, f"hit_{n0}", 3, min(5, info["worker"]["layers"] - 1))
     fresh(5)
     toks, cached, dt = gen(p)
@@ -410,6 +419,7 @@ def run_case(case: str, a) -> dict:
     # negative controls: they must give other tokens, or the token checks above prove nothing
     n1 = a.lengths[-1]
     p, ref_toks = prompts[n1], out[f"hit_{n1}"]["first"]["tokens"]
+    progress("controls")
     fresh(11)
     rpc(rpc_set, "loads_off", True)
     toks, cached, _ = gen(p)
@@ -482,7 +492,7 @@ def main() -> None:
                "--reseed", a.reseed]
         if a.tiny:
             cmd.append("--tiny")
-        r, err = run_subcase(cmd, timeout=a_timeout(), tail=4000)
+        r, err = run_subcase(cmd, timeout=a_timeout(), tail=4000, progress="KVP_PROGRESS")
         r.setdefault("case", case)
         r["tutti_log"] = [l[-300:] for l in err.splitlines() if "tutti" in l][-30:]
         results[case] = r

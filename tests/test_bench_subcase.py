@@ -33,10 +33,12 @@ def test_a_case_without_a_result_is_an_error_with_its_tail():
 
 def test_a_case_that_ran_out_of_time_says_how_far_it_got():
     r, _ = run_case(case("print('P engine started', file=sys.stderr, flush=True)\n"
+                         "print('INFO scheduler waits for a load', flush=True)\n"
                          "print('P first prefill', file=sys.stderr, flush=True)\ntime.sleep(60)"),
                     timeout=3, progress="P ")
     assert r["error"].startswith("timed out after 3 s")
     assert r["progress"] == ["P engine started", "P first prefill"]
+    assert r["stdout_tail"] == ["INFO scheduler waits for a load"]  # vLLM's log lines are on stdout
 
 
 def test_a_result_printed_before_a_hang_at_shutdown_counts():

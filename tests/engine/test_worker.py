@@ -1121,3 +1121,29 @@ def test_async_loads_wait_wakes_when_a_job_lands_and_returns_when_none_is_pendin
     a.wait(30)  # returns when the job lands, not after 30 s
     assert _time.monotonic() - t0 < 20 and a.take()[0] == {"a"}
     w.close()
+
+
+def test_an_asynchronous_load_that_raises_fails_its_chunks_for_good(tmp_path):
+    """A job that raises outside the per-chunk checks (a bug, an unexpected error) fails its
+    requests with every block they would have written, and its chunks are reported failed, so
+    the planner stops offering them: vLLM recomputes once instead of getting the same hit, failing
+    and asking again forever (a GPU run hung that way when a probe's stand-in load raised)."""
+    store_chunks(tmp_path, make_caches(0), [(0, [0, 1]), (1, [2, 3])])
+    w = worker(tmp_path, make_caches(1), async_loads=True)
+
+    def boom(loads, after=None, entry=None):
+        raise RuntimeError("injected")
+
+    w.async_loads._run = boom
+    loads = [LoadChunk("a", bytes([0]) * 32, 0, (14, 15)), LoadChunk("a", bytes([1]) * 32, 1, (16, 17), skip_blocks=1)]
+    run_step(w, StepPlan(2, async_step=3, async_loads=loads))
+    w.flush()
+    assert w.received_requests() == (set(), {"a"}, {14, 15, 17})
+    rep = w.take_report()
+    assert 3 in rep.steps_done and sorted(rep.load_failed) == sorted(ld.key for ld in loads)
+    del w.async_loads._run  # the next job runs as ever: no failure state carried over
+    run_step(w, StepPlan(4, async_step=5, async_loads=[LoadChunk("b", bytes([0]) * 32, 0, (20, 21))]))
+    w.flush()
+    assert w.received_requests() == ({"b"}, set(), set())
+    assert w.take_report().load_failed == []
+    w.close()

@@ -95,13 +95,12 @@ class AsyncLoads:
             entry["started"] = time.perf_counter()
             try:
                 failed, blocks = self._run(loads, after, entry)
-            except Exception:  # noqa: BLE001 - every request of the job fails (vLLM recomputes), the thread goes on
+            except Exception as exc:  # noqa: BLE001 - every request of the job fails (vLLM recomputes), the thread goes on
                 log.exception("tutti: asynchronous loads of step %d failed", step)
-                failed = {ld.key for ld in loads}
                 ctx = self.pipeline.ctx
                 if ctx.cuda:  # no scatter of theirs may land after vLLM recomputes the blocks (this thread waits)
                     torch.cuda.synchronize(ctx.device)
-                blocks = {b for ld in loads for b in ctx.written_blocks(ld.block_ids, ld.skip_blocks)}
+                failed, blocks = self.pipeline.abandon(loads, f"its asynchronous load raised {type(exc).__name__}: {exc}")
             reqs = {ld.req_id for ld in loads}
             bad = {ld.req_id for ld in loads if ld.key in failed}
             counters = self.pipeline.counters

@@ -319,6 +319,18 @@ class LoadPipeline:
         out, self._failed_log = self._failed_log, set()
         return out
 
+    def abandon(self, loads: list[LoadChunk], why: str) -> tuple[set[bytes], set[int]]:
+        """A load that raised outside the per-chunk checks (a bug, an unexpected error): every chunk
+        of it fails and is counted (load_failed), so the planner stops offering it. Otherwise vLLM
+        recomputes the request, asks again, gets the same hit and the request never runs. Clears
+        this job's failure state; returns (the keys, the blocks they would have written)."""
+        for ld in loads:
+            self._fail(ld, why)
+        keys, self._failed_log = {ld.key for ld in loads}, set()
+        blocks, self._failed_blocks = self._failed_blocks, set()
+        self._failed_keys = set()
+        return keys, blocks
+
     def take_failed_blocks(self) -> set[int]:
         self.resolve()
         out, self._failed_blocks = self._failed_blocks, set()
