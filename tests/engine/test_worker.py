@@ -1147,3 +1147,44 @@ def test_an_asynchronous_load_that_raises_fails_its_chunks_for_good(tmp_path):
     assert w.received_requests() == ({"b"}, set(), set())
     assert w.take_report().load_failed == []
     w.close()
+
+
+@pytest.mark.parametrize("where", ["start", "layer"])
+@pytest.mark.parametrize("mapped", [False, True], ids=["file", "mapped"])
+def test_a_layer_wise_load_that_raises_fails_its_chunks_never_the_step(tmp_path, mapped, where):
+    """An error that escapes the per-chunk checks (a bug, an unexpected one) when the step's loads
+    start or while a layer is awaited fails every chunk of the step (counted, so the planner stops
+    offering them; their blocks reported for vLLM to recompute) and never reaches the forward pass;
+    the staging slots its reads held come back, so the next step loads as ever."""
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(0, [0, 1]), (1, [2, 3])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, mapped_loads=mapped)
+    lp = w.loads
+    name = "start" if where == "start" else "wait_layer"
+    orig = getattr(lp, name)
+    calls = []
+
+    def boom(*args, **kw):
+        calls.append(1)
+        if where == "start":
+            orig(*args, **kw)  # reads (or copies) are in flight when it raises
+        elif len(calls) < 2:
+            return orig(*args, **kw)  # layer 0 loads, layer 1 raises
+        raise RuntimeError("injected")
+
+    setattr(lp, name, boom)
+    loads = [LoadChunk("a", bytes([0]) * 32, 0, (14, 15)), LoadChunk("a", bytes([1]) * 32, 1, (16, 17))]
+    run_step(w, StepPlan(2, loads=loads))  # raises nothing
+    assert calls
+    assert w.take_failed_blocks() == {14, 15, 16, 17}
+    rep = w.take_report()
+    assert sorted(rep.load_failed) == sorted(ld.key for ld in loads) and 2 in rep.steps_done
+    del lp.__dict__[name]
+    w.flush()
+    for step in (3, 4):  # every slot came back: two more steps of the whole ring's worth load
+        run_step(w, StepPlan(step, loads=[LoadChunk("b", bytes([0]) * 32, 0, (20, 21))]))
+        assert w.take_failed_blocks() == set()
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[20, 21]], s[[0, 1]])
+    w.close()

@@ -100,7 +100,9 @@ class AsyncLoads:
                 ctx = self.pipeline.ctx
                 if ctx.cuda:  # no scatter of theirs may land after vLLM recomputes the blocks (this thread waits)
                     torch.cuda.synchronize(ctx.device)
-                failed, blocks = self.pipeline.abandon(loads, f"its asynchronous load raised {type(exc).__name__}: {exc}")
+                lp = self.pipeline
+                lp.abandon(loads, f"its asynchronous load raised {type(exc).__name__}: {exc}")
+                failed, blocks = lp.take_failed_keys(), lp.take_failed_blocks()
             reqs = {ld.req_id for ld in loads}
             bad = {ld.req_id for ld in loads if ld.key in failed}
             counters = self.pipeline.counters

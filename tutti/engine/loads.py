@@ -319,17 +319,24 @@ class LoadPipeline:
         out, self._failed_log = self._failed_log, set()
         return out
 
-    def abandon(self, loads: list[LoadChunk], why: str) -> tuple[set[bytes], set[int]]:
-        """A load that raised outside the per-chunk checks (a bug, an unexpected error): every chunk
-        of it fails and is counted (load_failed), so the planner stops offering it. Otherwise vLLM
-        recomputes the request, asks again, gets the same hit and the request never runs. Clears
-        this job's failure state; returns (the keys, the blocks they would have written)."""
+    def abandon(self, loads: list[LoadChunk], why: str) -> None:
+        """A load that raised outside the per-chunk checks (a bug, an unexpected error), in start()
+        or while awaited: every chunk of it fails and is counted (load_failed), so the planner
+        stops offering it; otherwise vLLM recomputes, asks again, gets the same hit and the request
+        never runs. Reads already in flight give their slots back once they land (as stragglers);
+        the compute stream waits for whatever the load stream queued, so nothing of it lands on
+        blocks after vLLM recomputes them; the next start() finds a clean pipeline."""
+        for item in self._items[self._next_process:]:
+            if item.slot is not None:
+                self._stragglers.append((item, None))
+        if self.ctx.cuda:
+            torch.cuda.current_stream(self.ctx.device).wait_stream(self.stream)
+        self._items, self._loads, self._sums = [], [], []
+        self._next_submit = self._next_process = 0
+        self._layer_events, self._mapped_ready, self._mapped_pending = {}, None, False
+        self._bad = self._bad_host = self._verified = None
         for ld in loads:
             self._fail(ld, why)
-        keys, self._failed_log = {ld.key for ld in loads}, set()
-        blocks, self._failed_blocks = self._failed_blocks, set()
-        self._failed_keys = set()
-        return keys, blocks
 
     def take_failed_blocks(self) -> set[int]:
         self.resolve()

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from tutti.engine.config import READS_FIRST_BYTES, EngineConfig
-from tutti.engine.context import Counters, JournalView, WorkerContext
+from tutti.engine.context import Counters, JournalView, WorkerContext, log
 from tutti.engine.loads import LoadPipeline
 from tutti.engine.plan import LoadChunk, StepPlan, WorkerReport
 from tutti.engine.staging import RegionArena, StagingRing
@@ -158,7 +158,7 @@ class WorkerPipeline:
             self.whole_steps["loads"] += 1
         if plan.loads or plan.stores:
             self.recent_steps.append((plan.step, layerwise, len(plan.loads), len(plan.stores)))
-        self.loads.start(list(plan.loads), layerwise=layerwise)
+        self._guarded(self.loads.start, list(plan.loads), layerwise=layerwise)
         if plan.async_loads:
             if self.async_loads is None:  # a planner that loads asynchronously without hybrid groups: fail them
                 raise RuntimeError("asynchronous loads planned for a worker built without them")
@@ -167,15 +167,25 @@ class WorkerPipeline:
 
     def wait_layer(self, layer: int) -> None:
         """Before layer `layer` computes: its KV is in the cache (or its blocks marked failed)."""
-        self.loads.wait_layer(layer)
+        self._guarded(self.loads.wait_layer, layer)
 
     def save_layer(self, layer: int) -> None:
         """After layer `layer` computed: move the read window on."""
-        self.loads.after_layer(layer)
+        self._guarded(self.loads.after_layer, layer)
+
+    def _guarded(self, fn, *args, **kw) -> None:
+        """The step's load calls: an error that escapes the per-chunk checks (a bug, an unexpected
+        one) fails the step's loads (vLLM recomputes their blocks), never the forward pass."""
+        try:
+            fn(*args, **kw)
+        except Exception as exc:  # noqa: BLE001
+            plan = self._plan
+            log.exception("tutti: the loads of step %s failed", plan.step if plan else "?")
+            self.loads.abandon(list(plan.loads) if plan else [], f"its load raised {type(exc).__name__}: {exc}")
 
     def end_step(self) -> None:
         """After the forward was launched: loads finished, the step's stores gathered."""
-        self.loads.finish()
+        self._guarded(self.loads.finish)
         plan, self._plan = self._plan, None
         if plan is None:
             return
