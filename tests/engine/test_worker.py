@@ -687,7 +687,13 @@ def test_a_capacity_the_file_system_cannot_hold_is_not_pinned_at_start(tmp_path,
     w.close()
 
 
-@pytest.mark.parametrize("copy", ["auto", "dma", "dma_chunk", "host"])
+def copy_kw(copy: str) -> dict:
+    """"dma_chunk+2": dma_chunk with two chunks' copies in flight (store_copies_in_flight)."""
+    mode, _, ahead = copy.partition("+")
+    return {"mapped_store_copy": mode, **({"store_copies_in_flight": int(ahead)} if ahead else {})}
+
+
+@pytest.mark.parametrize("copy", ["auto", "dma", "dma_chunk", "dma_chunk+2", "host"])
 def test_stores_into_a_mapped_root_copy_into_the_slots_not_write_calls(tmp_path, copy):
     """A writer that mapped its whole capacity at start-up stores by copying each chunk into its
     slot's mapping once the slot's free record is durable (no write request reaches the IO
@@ -695,10 +701,11 @@ def test_stores_into_a_mapped_root_copy_into_the_slots_not_write_calls(tmp_path,
     staging); a reader of the same root through the file path then loads every chunk bit exact,
     and a chunk whose slab shrank under its mapping fails its store instead of being journaled."""
     src = make_caches(0)
-    w = worker(tmp_path, src, mapped_loads=True, slots_per_slab=8, mapped_store_copy=copy)
+    w = worker(tmp_path, src, mapped_loads=True, slots_per_slab=8, **copy_kw(copy))
     w.warm_up()
     assert w.store.maps_every_slab and w.stores.into_maps
-    assert w.stores.map_copy == ("host" if DEV == "cpu" else {"auto": "dma_chunk"}.get(copy, copy))
+    mode = copy_kw(copy)["mapped_store_copy"]
+    assert w.stores.map_copy == ("host" if DEV == "cpu" else {"auto": "dma_chunk"}.get(mode, mode))
     w.queue = RecordingQueue(w.queue)
     stores = [StoreChunk("r", bytes([i]) * 32, slot, blocks, ticket=i + 1)
               for i, (slot, blocks) in enumerate([(3, (0, 1)), (9, (2, 3)), (17, (4, 5))])]
@@ -725,14 +732,14 @@ def test_stores_into_a_mapped_root_copy_into_the_slots_not_write_calls(tmp_path,
     r.close()
 
 
-@pytest.mark.parametrize("copy", ["dma", "dma_chunk", "host"])
+@pytest.mark.parametrize("copy", ["dma", "dma_chunk", "dma_chunk+2", "host"])
 def test_a_run_copied_into_the_maps_gives_its_staging_back_chunk_by_chunk(tmp_path, copy):
     """Stores copied chunk by chunk into a mapped root ("dma_chunk", "host") return each chunk's
     staging region as soon as its bytes are in the slot, not when the whole run is committed, so
     a burst of prefill finds room sooner; "dma" (every copy queued at once) returns the run at its
     end. Every region comes back exactly once (the arena asserts it) and the chunks are stored."""
     src = make_caches(0)
-    w = worker(tmp_path, src, mapped_loads=True, slots_per_slab=8, mapped_store_copy=copy)
+    w = worker(tmp_path, src, mapped_loads=True, slots_per_slab=8, **copy_kw(copy))
     w.warm_up()
     arena = w.stores.arena
     full = arena.free_count

@@ -22,7 +22,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -307,6 +307,8 @@ class StorePipeline:
         if dma:
             on_stream.enter_context(torch.cuda.device(ctx.device))
             on_stream.enter_context(torch.cuda.stream(self._copy_stream))
+        ahead = ctx.cfg.store_copies_in_flight if self.map_copy == "dma_chunk" else 0
+        queued: deque[tuple[int, torch.cuda.Event]] = deque()  # dma_chunk: (chunk, its copy's event)
         with nvtx_range("copy_into_maps"), on_stream:
             for i, st in live:
                 dst = store.mapped_slot(st.slot)
@@ -316,8 +318,19 @@ class StorePipeline:
                 src = src_all[i * rb:(i + 1) * rb]
                 for lo, hi in self._written_ranges(written[i]):
                     dst[lo:hi].copy_(src[lo:hi], non_blocking=dma)  # host: a memcpy, torch releases the GIL
-                if self.map_copy == "dma_chunk":
+                if ahead == 1:
                     self._wait_copies()  # one chunk ahead of a decode step's own copy at most
+                elif ahead:  # store_copies_in_flight > 1: wait for the oldest chunk's copy only
+                    landed = torch.cuda.Event(blocking=True)  # this (writer) thread sleeps on it
+                    landed.record(self._copy_stream)
+                    queued.append((i, landed))
+                    if len(queued) < ahead:
+                        continue
+                    oldest, landed = queued.popleft()
+                    with gil_free_wait():
+                        landed.synchronize()
+                    self._give_back(run, oldest + 1)  # it and any chunk before it are in their slots
+                    continue
                 if self.map_copy != "dma":  # this chunk's bytes are in its slot: its region (and any
                     self._give_back(run, i + 1)  # skipped one before it) serves the next step's stores
             if dma:
