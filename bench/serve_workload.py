@@ -129,6 +129,8 @@ VARIANTS: dict[str, dict] = {
     # how stores reach the mapped slots (mapped_store_copy; the default "dma_chunk")
     "tutti_shm_dma": {"mapped_store_copy": "dma"},
     "tutti_shm_host": {"mapped_store_copy": "host"},
+    # dma_chunk with four chunks' copies queued at once: a prefill burst's stores drain faster
+    "tutti_shm_copies4": {"store_copies_in_flight": 4},
 }
 
 

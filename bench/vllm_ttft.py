@@ -9,7 +9,8 @@ Cases: recompute (no connector), recompute_piecewise (no connector, cudagraph_mo
 what forcing PIECEWISE would cost), tutti on /dev/shm (tutti_shm; tutti_shm_file: mapped_loads
 off, the file path; tutti_shm_defaults: every knob at its default, auto staging; a `_gil05ms`
 suffix: a GIL switch interval of 0.5 ms instead of CPython's 5 ms; a `_dma_chunk` or `_host`
-suffix: `mapped_store_copy`, how stores reach the mapped slots), tutti on disk
+suffix: `mapped_store_copy`, how stores reach the mapped slots; `_copies4`: four chunks' copies
+queued at once, `store_copies_in_flight`), tutti on disk
 (O_DIRECT), vLLM's
 OffloadingConnector (CPU tier), vLLM's ExampleConnector. The warm-up stores nothing, so the
 first hit of the first length is the first load ever (it would pay any kernel compilation).
@@ -114,6 +115,8 @@ def connector_config(case: str, a) -> dict | None:
         for copy in ("dma_chunk", "host"):  # how stores reach the mapped slots (default: "dma_chunk")
             if case.endswith("_" + copy):
                 extra["mapped_store_copy"] = copy
+        if case.endswith("_copies4"):  # dma_chunk with four chunks' copies queued at once
+            extra["store_copies_in_flight"] = 4
         return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
                 "kv_role": "kv_both", "kv_connector_extra_config": extra}
     if case == "offloading":
