@@ -174,6 +174,35 @@ def test_a_step_with_nothing_scheduled_waits_for_the_asynchronous_load(tiny_mode
     assert res[0]["tokens"] == reference([p])[0]
 
 
+def test_an_asynchronous_load_that_raises_is_recomputed_once_not_forever(tiny_model, tmp_path, reference):
+    """Through a real engine: the worker's asynchronous job raises (as a bug would). The request
+    is recomputed with recompute's tokens, and its chunks are failed for good. Before the fix
+    the planner kept them: vLLM recomputed, asked again, got the same hit and the request never
+    finished (a GPU run hung that way)."""
+    p = prompt(6, 300)
+    kvt = kv_config(tmp_path / "kv", async_loads=True)
+    child_run(tiny_model, kvt, [p])
+    code = (
+        "import json, harness\n"
+        f"llm = harness.make_llm({str(tiny_model)!r}, kv_transfer_config={kvt!r})\n"
+        "from vllm.distributed.kv_transfer import get_kv_transfer_group\n"
+        "def boom(*args, **kw):\n"
+        "    raise RuntimeError('injected')\n"
+        "get_kv_transfer_group().worker.async_loads._run = boom\n"
+        f"outs = harness.generate_ids(llm, {[p]!r}, 8)\n"
+        "harness.settle(llm)\n"
+        "print('RESULT', json.dumps([{'tokens': list(o.outputs[0].token_ids), 'cached': o.num_cached_tokens}"
+        " for o in outs]))\n"
+        "print('STATS', json.dumps(vars(harness.connector(llm).planner.stats)))\n"
+        "harness.shutdown_llm(llm)\n"
+    )
+    out = harness.run_in_subprocess(code, timeout=150)
+    res = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:])
+    stats = json.loads([l for l in out.splitlines() if l.startswith("STATS ")][-1][6:])
+    assert stats["async_hit_tokens"] == 4 * CHUNK and stats["loads_failed"] == 4, stats  # offered once
+    assert res[0]["tokens"] == reference([p])[0]
+
+
 def test_bad_configs_fail_at_startup_with_clear_errors(tiny_model, tmp_path):
     from tutti.engine.config import EngineConfig
 
