@@ -9,6 +9,7 @@ next acquirer waits on it.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,10 @@ class StagingRing:
                         None if dev_buf is None else dev_buf[i * slot_bytes:(i + 1) * slot_bytes])
             for i in range(n)
         ]
-        self._free = list(range(n - 1, -1, -1))
+        # first in, first out: the slot released longest ago is handed out first, so its consumer's
+        # kernels (the event try_acquire waits on) have had the most time to finish and the host
+        # rarely waits in the forward's hooks (last in, first out handed back the one just released)
+        self._free: deque[int] = deque(range(n))
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
 
@@ -63,7 +67,7 @@ class StagingRing:
         with self._lock:
             if not self._free:
                 return None
-            slot = self.slots[self._free.pop()]
+            slot = self.slots[self._free.popleft()]
         if wait_host:
             self.wait_host(slot)
         return slot
@@ -81,7 +85,7 @@ class StagingRing:
         with self._lock:
             if len(self._free) != len(self.slots):
                 return None
-            self._free = []
+            self._free = deque()
         return list(self.slots)
 
     def release(self, slot: StagingSlot, busy_until: object = None) -> None:
