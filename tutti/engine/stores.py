@@ -335,6 +335,8 @@ class StorePipeline:
                     self._give_back(run, i + 1)  # skipped one before it) serves the next step's stores
             if dma:
                 self._wait_copies()
+                if ahead > 1:  # the last copies landed: their regions too, before the commit
+                    self._give_back(run, n)
 
     def _give_back(self, run: _Run, upto: int) -> None:
         """Regions [released, upto) of `run` back to the arena while the rest of the run is still
