@@ -81,3 +81,20 @@ def test_non_contiguous_or_wrong_dtype_buffers_are_refused(tmp_path):
     with ThreadQueue() as q:
         with pytest.raises(ValueError, match="contiguous"):
             q.submit([IORequest(0, 0, aligned_buffer(16384).view(2, 8192)[:, :4096], 0, 4096, "read")])
+
+
+def test_buffered_fallback_is_said_once_per_queue(tmp_path, caplog):
+    """A RAM root refuses O_DIRECT for every slab: one line says so, not one per file."""
+    import logging
+
+    from tutti.io.threads import ThreadQueue
+
+    q = ThreadQueue(workers=1)
+    try:
+        with caplog.at_level(logging.INFO, logger="tutti"):
+            for _ in range(3):
+                os.close(q.open_file("/proc/self/status"))  # procfs refuses O_DIRECT
+        said = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
+        assert len(said) == 1 and "said once" in said[0].getMessage()
+    finally:
+        q.close()

@@ -73,6 +73,7 @@ class ThreadQueue(CountedCompletions, IOQueue):
         self._max_in_flight = max_in_flight
         self._max_io = max_io_bytes
         self._direct: dict[int, bool] = {}
+        self._said_buffered = False
         self._cond = threading.Condition()
         self._pending: collections.deque[IOFuture] = collections.deque()
         self._outstanding = 0  # queued + running + future not yet set
@@ -100,8 +101,11 @@ class ThreadQueue(CountedCompletions, IOQueue):
                   dir_fd: int | None = None) -> int:
         """O_DIRECT where the file system allows it, else buffered (recorded; see open_direct)."""
         fd, direct = open_direct(path, write=write, create=create, dir_fd=dir_fd, prefer=self._prefer_direct)
-        if not direct and self._prefer_direct:
-            log.info("tutti threads: %s refuses O_DIRECT; using buffered IO for this file", path)
+        if not direct and self._prefer_direct and not self._said_buffered:
+            # once per queue: a RAM root refuses O_DIRECT for every slab (a line each filled the log)
+            self._said_buffered = True
+            log.info("tutti threads: %s refuses O_DIRECT; using buffered IO for it and any other file that "
+                     "refuses it (said once)", path)
         self._direct[fd] = direct
         return fd
 

@@ -249,6 +249,7 @@ class UringQueue(CountedCompletions, IOQueue):
         self._reap_divisor = uring_reap_divisor
         self._use_rw = self._probe_rw()
         self._direct: dict[int, bool] = {}
+        self._said_buffered = False
         self._device_max_io: dict[int, int | None] = {}
 
         self._lock = threading.Lock()  # SQ tail, in-flight map, fixed-buffer table
@@ -347,8 +348,11 @@ class UringQueue(CountedCompletions, IOQueue):
     def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False, *,
                   dir_fd: int | None = None) -> int:
         fd, direct = open_direct(path, write=write, create=create, dir_fd=dir_fd, prefer=self._prefer_direct)
-        if not direct and self._prefer_direct:
-            log.info("tutti uring: %s refuses O_DIRECT; using buffered IO for this file", path)
+        if not direct and self._prefer_direct and not self._said_buffered:
+            # once per queue: a RAM root refuses O_DIRECT for every slab (a line each filled the log)
+            self._said_buffered = True
+            log.info("tutti uring: %s refuses O_DIRECT; using buffered IO for it and any other file that "
+                     "refuses it (said once)", path)
         self._direct[fd] = direct
         self._device_max_io[fd] = _block_device_max_io(fd)
         return fd
