@@ -12,6 +12,7 @@ import functools
 import inspect
 import logging
 import threading
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -23,6 +24,31 @@ from tutti.engine.plan import NULL_BLOCK, WorkerReport
 from tutti.io.queue import IOQueue
 
 log = logging.getLogger("tutti.engine")
+
+
+class Throttled:
+    """A warning said at most once per `interval_s` per key, with how many were held back: a
+    failure that repeats every step (a full disk fails every store) must not flood the server's
+    log, and must not go unsaid either."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[float, int]] = {}  # key -> (when last said, held back since)
+
+    def warning(self, key: str, msg: str, *args) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            last, held = self._last.get(key, (None, 0))
+            if last is not None and now - last < self.interval_s:
+                self._last[key] = (last, held + 1)
+                return False
+            self._last[key] = (now, 0)
+        if held:
+            msg += " (%d more like it in the last %.0f s)"
+            args = (*args, held, now - last)
+        log.warning(msg, *args)
+        return True
 
 U64 = (1 << 64) - 1
 STAT_FIELDS = ("bytes_loaded", "load_seconds", "bytes_stored", "store_seconds", "stores_skipped")

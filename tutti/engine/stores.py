@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from tutti.engine.context import U64, Counters, JournalView, WorkerContext, log, nvtx_range
+from tutti.engine.context import U64, Counters, JournalView, Throttled, WorkerContext, log, nvtx_range
 from tutti.engine.hostcost import gil_free_wait
 from tutti.engine.plan import StoreChunk
 from tutti.engine.staging import RegionArena
@@ -74,6 +74,7 @@ class StorePipeline:
         # may still land them, so their staging regions and slab descriptors stay held until then.
         self._stragglers: list[tuple[list, list[int], int, int]] = []  # (futures, pinned slots, first, count)
         self._warned_skip = False
+        self._said = Throttled()  # a store failure that repeats (a full disk): once a minute per kind
         self._copy_stream = torch.cuda.Stream(ctx.device) if ctx.cuda else None  # the writer thread's DMAs
         # how a chunk reaches a mapped slot (EngineConfig.mapped_store_copy); the CPU has no DMA
         copy = ctx.cfg.mapped_store_copy
@@ -269,7 +270,9 @@ class StorePipeline:
         done = []
         for i, st in live:
             if i in errors:
-                log.warning("tutti: store of chunk %s failed: %s", st.key.hex()[:16], errors[i])
+                err = errors[i]
+                self._said.warning(f"write:{type(err).__name__}:{getattr(err, 'errno', None)}",
+                                   "tutti: store of chunk %s failed: %s", st.key.hex()[:16], err)
                 self._fail([st], f"write failed: {errors[i]}", skipped=False)
             else:
                 kept = set(written[i])
@@ -283,7 +286,7 @@ class StorePipeline:
             with nvtx_range("commit"):
                 store.commit([(st.key, st.slot, cks) for st, cks, _ in done])
         except OSError as exc:
-            log.warning("tutti: making %d chunks durable failed: %s", len(done), exc)
+            self._said.warning(f"sync:{exc.errno}", "tutti: making %d chunks durable failed: %s", len(done), exc)
             self._fail([st for st, _, _ in done], f"sync failed: {exc}", skipped=False)
             return stalled
         for st, cks, _ in done:
