@@ -7,12 +7,19 @@ import logging
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def _tutti_logger_as_found():
-    """A connector built in a test's process routes the "tutti" loggers to vLLM's handlers and
-    stops their propagation (tutti.vllm.logs); a later test in the same worker that reads tutti's
-    warnings through pytest's caplog (a root handler) must still see them."""
+def _plain_tutti_logger() -> None:
     lg = logging.getLogger("tutti")
-    saved = (list(lg.handlers), lg.level, lg.propagate)
+    lg.handlers.clear()
+    lg.setLevel(logging.NOTSET)
+    lg.propagate = True
+
+
+@pytest.fixture(autouse=True)
+def _tutti_logger_plain():
+    """A connector built in a test's process (in a test or a module's fixture) routes the "tutti"
+    loggers to vLLM's handlers and stops their propagation (tutti.vllm.logs); every test starts
+    and ends with the plain logger, so one that reads tutti's warnings through pytest's caplog (a
+    root handler) sees them whatever ran before it in the same worker."""
+    _plain_tutti_logger()
     yield
-    lg.handlers[:], lg.level, lg.propagate = saved[0], saved[1], saved[2]
+    _plain_tutti_logger()
