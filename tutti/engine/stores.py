@@ -321,9 +321,7 @@ class StorePipeline:
                 src = src_all[i * rb:(i + 1) * rb]
                 for lo, hi in self._written_ranges(written[i]):
                     dst[lo:hi].copy_(src[lo:hi], non_blocking=dma)  # host: a memcpy, torch releases the GIL
-                if ahead == 1:
-                    self._wait_copies()  # one chunk ahead of a decode step's own copy at most
-                elif ahead:  # store_copies_in_flight > 1: wait for the oldest chunk's copy only
+                if ahead:  # at most `ahead` chunks' copies ahead of a decode step's own: wait for the oldest
                     landed = torch.cuda.Event(blocking=True)  # this (writer) thread sleeps on it
                     landed.record(self._copy_stream)
                     queued.append((i, landed))
@@ -338,7 +336,7 @@ class StorePipeline:
                     self._give_back(run, i + 1)  # skipped one before it) serves the next step's stores
             if dma:
                 self._wait_copies()
-                if ahead > 1:  # the last copies landed: their regions too, before the commit
+                if ahead:  # the last copies landed: their regions too, before the commit
                     self._give_back(run, n)
 
     def _give_back(self, run: _Run, upto: int) -> None:
