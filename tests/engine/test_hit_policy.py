@@ -4,13 +4,14 @@ import random
 
 import pytest
 
-from tutti.engine.hit_policy import (Always, CostModel, HitQuery, Never, RateMeter, Rates, candidates, chunk_floor,
-                                     get_policy, register_policy)
+from tutti.engine.hit_policy import (Always, CostModel, HitQuery, Never, RateMeter, Rates, attention_weight,
+                                     candidates, chunk_floor, get_policy, prefill_work, register_policy)
 from tutti.engine.planner import Planner
 from tutti.engine.plan import WorkerReport
 
 B8 = 131072  # bytes a token of the 8B geometry (bf16, 32 layers, 8 KV heads of 128)
 PREFILL = 27000.0  # tokens/s, the H200's 8B prefill
+W8 = attention_weight(hidden=4096, q_heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32)  # Llama 3 8B
 
 
 def q(hit, prompt, *, asynchronous=True, step=8192, cap=None, chunk=256):
@@ -90,7 +91,8 @@ def test_never_worse_than_either_end_in_its_own_model():
             continue
         qq = HitQuery(hit, hit + rng.randrange(1, 4000), chunk, rng.choice([4096.0, B8, 4 * B8]),
                       rng.choice([512, 2048, 8192]), rng.random() < 0.5,
-                      rng.choice([None, None, rng.randrange(0, hit + chunk)]))
+                      rng.choice([None, None, rng.randrange(0, hit + chunk)]),
+                      context_tokens=rng.choice([0, 0, 5000]), attention_weight=rng.choice([0.0, W8, 1e-3]))
         rates = Rates(10 ** rng.uniform(7, 11), 10 ** rng.uniform(3, 5), rng.randrange(0, 1 << 32),
                       rng.randrange(0, 100000), step_s=rng.choice([0.0, 0.01, 0.2]),
                       batch_requests=rng.choice([0, 0, 3, 31]))
@@ -265,7 +267,7 @@ def test_rate_meter_times_steps_from_their_outputs_under_async_scheduling():
 def test_the_planner_times_steps_by_their_reports():
     p = planner(CostModel())
     plan = p.build_step({}, {})
-    p.meter._pending[plan.step] = (8192, p.meter._pending[plan.step][1] - 0.25, False)  # scheduled 0.25 s ago
+    p.meter._pending[plan.step] = (8192, p.meter._pending[plan.step][1] - 0.25, False, 8192)  # scheduled 0.25 s ago
     p.on_report(WorkerReport(steps_done=[plan.step]))
     assert 8192 / 0.3 < p.meter.prefill_rate < 8192 / 0.25
 
@@ -352,3 +354,53 @@ def test_the_planner_marks_its_layer_wise_steps_and_takes_rate_samples_only():
     p.on_report(WorkerReport(steps_done=[plan.step], bytes_loaded=6 * 32000, load_seconds=0.5,
                              rate_bytes=2 * 32000, rate_seconds=0.1))
     assert p.meter.load_rate == pytest.approx(2 * 32000 / 0.1)
+
+
+def test_prefill_work_counts_each_token_by_its_position():
+    qq = HitQuery(1000, 3000, 256, B8, 8192, False, context_tokens=700, attention_weight=1e-4)
+    by_token = sum(1 + 1e-4 * (700 + i) for i in range(1200, 2500))
+    assert prefill_work(qq, 1200, 2500) == pytest.approx(by_token)
+    assert prefill_work(qq, 0, 1200) + prefill_work(qq, 1200, 3000) == pytest.approx(prefill_work(qq, 0, 3000))
+    flat = HitQuery(1000, 3000, 256, B8, 8192, False)
+    assert prefill_work(flat, 1200, 2500) == 1300 and prefill_work(qq, 5, 5) == 0
+    assert 3e-5 < W8 < 4.5e-5  # the H200's 8B steps of 4k and 32k tokens fit 2.9e-5
+    assert attention_weight(hidden=4096, q_heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32,
+                            attention_layers=8) == pytest.approx(W8 / 4)
+
+
+def test_a_long_prompts_back_costs_more_so_more_of_its_front_loads():
+    """Session 9's 32k hit (run 5): the step's suffix was computed at the rate of a 4k prompt
+    while its back, attending to 10-32k tokens, runs at about two thirds of it. Counting attention,
+    the back's compute hides more reads: the policy loads more of the front, and the modelled
+    time comes closer to the measured one (1.08 s for 10,752 tokens loaded at 1.3 GB/s)."""
+    # the prefill rate both models measured from the same 4k prompt of 0.1107 s
+    rates_flat = Rates(1.3e9, 4096 / 0.1107)
+    rates_attn = Rates(1.3e9, prefill_work(HitQuery(0, 4096, 256, B8, 32768, False, attention_weight=W8), 0, 4096)
+                       / 0.1107)
+    flat = q(32512, 32768, asynchronous=False, step=32768)
+    attn = HitQuery(**{**flat.__dict__, "attention_weight": W8})
+    m_flat, m_attn = CostModel().decide(flat, rates_flat), CostModel().decide(attn, rates_attn)
+    assert m_attn > m_flat * 1.3
+    assert CostModel.time(attn, rates_attn, 0) > 1.2  # recompute measured 1.22 s (flat: 0.89)
+    assert CostModel.time(flat, rates_flat, 0) < 0.9
+    # where the model says a token costs the same anywhere, both agree
+    assert CostModel().decide(HitQuery(**{**flat.__dict__, "prompt_tokens": 32640}), rates_flat) == \
+        CostModel().decide(HitQuery(**{**flat.__dict__, "prompt_tokens": 32640, "attention_weight": 0.0}), rates_flat)
+
+
+def test_the_meter_counts_a_steps_work_so_long_prompts_do_not_read_as_a_slow_gpu():
+    """Steps deep into long prompts take longer per token; counted in work (token-equivalents at
+    zero context) the rate is the same as the front's, so a 4k prompt's step predicts a 32k one's."""
+    rate, m, t = 40000.0, RateMeter(), 0.0
+    for step, computed in enumerate((0, 16384, 0, 24576), start=1):  # 8192-token steps, front and deep
+        work = 8192 * (1 + W8 * (computed + 8191 / 2))
+        m.on_scheduled(step, 8192, now=t, work=work)
+        t += work / rate
+        m.on_done(step, now=t)
+    assert m.prefill_rate == pytest.approx(rate)
+    # the planner counts each scheduled request's tokens at their positions
+    p = planner(CostModel())
+    p.attention_weight = W8
+    plan = p.build_step({"a": 8192, "b": 1}, {"a": 16384, "b": 30000})
+    expected = 8192 * (1 + W8 * (16384 + 8191 / 2)) + 1 * (1 + W8 * 30000)
+    assert p.meter._pending[plan.step][3] == pytest.approx(expected)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import harness
+from tutti.engine.hit_policy import attention_weight
 import phases
 
 CHUNK = 64  # tokens a chunk: 2 vLLM blocks of 32
@@ -297,12 +298,15 @@ def test_hit_policy_loads_or_recomputes_on_a_slow_store(tiny_model, tmp_path, re
             "    out.append({'tokens': list(o.outputs[0].token_ids), 'cached': o.num_cached_tokens})\n"
             "conn = harness.connector(llm)\n"
             "print('RESULT', json.dumps(out))\n"
-            "print('STATS', json.dumps(vars(conn.planner.stats)))\n"
+            "print('STATS', json.dumps({**vars(conn.planner.stats), 'weight': conn.planner.attention_weight}))\n"
             "harness.shutdown_llm(llm)\n"
         )
         return results_of(code)
 
     res, stats = run("auto", [p1, p2], [p1, p2], tmp_path / "kv1")
+    # a token's cost grows with its position as the model's shape says (2 layers, 4 heads of 64)
+    assert stats["weight"] == pytest.approx(attention_weight(hidden=128, q_heads=4, kv_heads=2, head_dim=64,
+                                                             mlp=256, layers=2))
     # loaded whole (rate unmeasured); then recomputed by choice, but for the chunks whose read
     # hides under the step's compute of the rest (the layer-wise overlap)
     # (how many chunks hide depends on the rates this machine measures: under CI's two parallel

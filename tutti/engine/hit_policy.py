@@ -39,6 +39,34 @@ class HitQuery:
     step_tokens: int  # vLLM's step token budget (max_num_batched_tokens)
     asynchronous: bool  # loads run outside the batch (the request waits); else layer-wise in its step
     max_load_tokens: int | None = None  # the request's own cap (kv_transfer_params), None = none
+    context_tokens: int = 0  # tokens before the prompt's uncomputed part (vLLM's own cached prefix)
+    # the compute of one token attending to one earlier token, as a fraction of a token's other
+    # compute (0: a token costs the same at any position). Attention makes a long prompt's back
+    # dearer than its front: at 32k tokens on an 8B model the last token costs about twice the first.
+    attention_weight: float = 0.0
+
+
+def prefill_work(q: HitQuery, first: int, end: int) -> float:
+    """Tokens `first`..`end` of the prompt's uncomputed part, in token-equivalents at zero context
+    (what `Rates.prefill_tokens_per_s` counts): each costs 1 + w * (the tokens before it)."""
+    n = max(0, end - first)
+    if n == 0 or q.attention_weight <= 0:
+        return float(n)
+    return n * (1.0 + q.attention_weight * (q.context_tokens + (first + end - 1) / 2.0))
+
+
+def attention_weight(*, hidden: int, q_heads: int, kv_heads: int, head_dim: int, mlp: int,
+                     attention_layers: int | None = None, layers: int) -> float:
+    """`HitQuery.attention_weight` from a transformer's shape, in FLOPs: a token's projections and
+    gated MLP cost 2 (h (2 q + 2 kv) d + 3 h f) per layer, its attention to one earlier token
+    4 q d per attention layer (scores and values). An estimate: tutti measures the rate itself
+    and this only says how a token's cost grows with its position (the H200's 8B steps of 4k and
+    32k tokens fit 2.9e-5; this gives 3.8e-5)."""
+    linear = 2.0 * layers * (hidden * (2 * q_heads + 2 * kv_heads) * head_dim + 3 * hidden * mlp)
+    if linear <= 0:
+        return 0.0
+    attn = 4.0 * (layers if attention_layers is None else attention_layers) * q_heads * head_dim
+    return max(0.0, attn / linear)
 
 
 @dataclass(frozen=True)
@@ -46,7 +74,7 @@ class Rates:
     """What tutti measured while serving; None until measured."""
 
     load_bytes_per_s: float | None  # the storage's read rate, one worker's loads
-    prefill_tokens_per_s: float | None  # the GPU's rate of computing prompt tokens
+    prefill_tokens_per_s: float | None  # the GPU's rate of computing prompt tokens (at zero context: prefill_work)
     queued_load_bytes: int = 0  # loads planned and not yet done (they are read first)
     prefill_backlog_tokens: int = 0  # prompt tokens known and not yet computed (computed first)
     load_age_s: float | None = None  # seconds since a load last measured the read rate
@@ -91,15 +119,19 @@ class CostModel:
     side by side; a load costs a fixed o beside its bytes, and the request is scheduled about 1.5
     steps (s each) after its load ends (the receipt goes out with the end of the step it ended
     in; under asynchronous scheduling the step after that was already scheduled), so
-        t(m) = max(o + (Q + m b) / R_load + 1.5 s, P / R_prefill) + (n - m) / R_prefill   (m > 0)
-        t(0) = (P + n) / R_prefill
+        t(m) = max(o + (Q + m b) / R_load + 1.5 s, P / R_prefill) + W(m, n) / R_prefill   (m > 0)
+        t(0) = (P + W(0, n)) / R_prefill
     Under load (P large) a slow disk still wins: it adds prefill capacity beside the GPU.
+    W(a, b) is the compute of the prompt's tokens a..b (`prefill_work`): with attention counted,
+    the back of a long prompt costs more per token than its front, so loading the front saves less
+    than its share of the tokens and hiding its reads under the back's compute gets more time.
 
-    and g(m) = (n - m) / R_prefill: the batch does not wait for an asynchronous load.
+    and g(m) = W(m, n) / R_prefill: the batch does not wait for an asynchronous load.
 
     Layer-wise loads (in the step, overlapped with the suffix's compute; only the first step's
     suffix tokens overlap, so the model follows the step budget S):
-        t(m) = max(o + (Q + m b) / R_load, c1 / R_prefill) + (n - m - c1) / R_prefill,  c1 = min(S, n - m)
+        t(m) = max(o + (Q + m b) / R_load, W(m, m + c1) / R_prefill) + W(m + c1, n) / R_prefill,
+        c1 = min(S, n - m)
     and g(m) = t(m) less the prefill backlog's wait: the whole step waits for the layers it loads.
 
     Until the read rate is measured it loads a hit whole when no other load is queued (that is
@@ -144,9 +176,9 @@ class CostModel:
         """The seconds the request's prefill (and, layer-wise, its loads) adds to shared steps."""
         rp = float(rates.prefill_tokens_per_s)
         if m <= 0:
-            return q.prompt_tokens / rp
+            return prefill_work(q, 0, q.prompt_tokens) / rp
         if q.asynchronous:
-            return (q.prompt_tokens - m) / rp
+            return prefill_work(q, m, q.prompt_tokens) / rp
         # layer-wise: the request's own time less its wait for the prefill backlog (the batch waits
         # for the step's loads and the prompt's compute, not for the prompts ahead of it)
         return CostModel.time(q, rates, m) - rates.prefill_backlog_tokens / rp
@@ -158,12 +190,12 @@ class CostModel:
         n = q.prompt_tokens
         compute_wait = rates.prefill_backlog_tokens / rp
         if m <= 0:
-            return compute_wait + n / rp
+            return compute_wait + prefill_work(q, 0, n) / rp
         load = rates.load_overhead_s + (rates.queued_load_bytes + m * q.bytes_per_token) / rl
         if q.asynchronous:  # reported at the end of the step it ends in, scheduled a step later
-            return max(load + 1.5 * rates.step_s, compute_wait) + (n - m) / rp
+            return max(load + 1.5 * rates.step_s, compute_wait) + prefill_work(q, m, n) / rp
         c1 = min(max(q.step_tokens, 1), n - m)
-        return compute_wait + max(load, c1 / rp) + (n - m - c1) / rp
+        return compute_wait + max(load, prefill_work(q, m, m + c1) / rp) + prefill_work(q, m + c1, n) / rp
 
 
 def candidates(q: HitQuery) -> list[int]:
@@ -216,10 +248,13 @@ class RateMeter:
             return None
         return (time.monotonic() if now is None else now) - self._last_load
 
-    def on_scheduled(self, step: int, scheduled_tokens: int, now: float | None = None) -> None:
-        """Step `step` was scheduled with this many tokens (its duration is known when it is done)."""
+    def on_scheduled(self, step: int, scheduled_tokens: int, now: float | None = None,
+                     work: float | None = None) -> None:
+        """Step `step` was scheduled with this many tokens (its duration is known when it is done);
+        `work`: their compute in token-equivalents at zero context (`prefill_work`), when the
+        scheduler knows their positions, so a step of long prompts does not read as a slow GPU."""
         now = time.monotonic() if now is None else now
-        self._pending[step] = (scheduled_tokens, now, False)
+        self._pending[step] = (scheduled_tokens, now, False, scheduled_tokens if work is None else work)
         while len(self._pending) > 256:  # steps never reported (a worker that skipped them): forgotten
             self._pending.pop(next(iter(self._pending)))
 
@@ -229,7 +264,7 @@ class RateMeter:
         slow, which made loading look better: the policy's own loads fed its choice)."""
         got = self._pending.get(step)
         if got is not None:
-            self._pending[step] = (got[0], got[1], True)
+            self._pending[step] = (got[0], got[1], True, got[3])
 
     def on_done(self, step: int, now: float | None = None) -> None:
         """Step `step`'s output reached the scheduler (its worker report came with it). Its
@@ -240,7 +275,7 @@ class RateMeter:
         if got is None:  # another worker's copy of a step already counted, or an unknown step
             return
         now = time.monotonic() if now is None else now
-        tokens, scheduled_at, loading = got
+        tokens, scheduled_at, loading, work = got
         start = scheduled_at if self._last_done is None else max(scheduled_at, self._last_done)
         self._last_done = now
         took = now - start
@@ -249,7 +284,7 @@ class RateMeter:
         self.step_seconds = self.step_seconds * self.decay + took
         self.steps = self.steps * self.decay + 1
         if tokens >= self.min_step_tokens and not loading:
-            self.prefill_tokens = self.prefill_tokens * self.decay + tokens
+            self.prefill_tokens = self.prefill_tokens * self.decay + work
             self.prefill_seconds = self.prefill_seconds * self.decay + took
 
     def on_step(self, scheduled_tokens: int, now: float | None = None) -> None:

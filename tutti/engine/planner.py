@@ -142,6 +142,9 @@ class Planner:
         self.hit_policy: HitPolicy = hit_policy if hit_policy is not None else Always()
         self.meter = RateMeter()
         self.step_tokens = step_tokens
+        # a token's compute per earlier token it attends to, relative to its other compute
+        # (tutti.engine.hit_policy.HitQuery.attention_weight; the connector sets it from the model)
+        self.attention_weight = 0.0
         self.asynchronous = asynchronous  # the connector's load mode: outside the batch, or in the step
         self.admission = admission if admission is not None else AdmitAll()  # tutti.engine.admission
         # Layer-wise mode only: the bytes one step may load in the step ("auto": what the read rate
@@ -200,14 +203,15 @@ class Planner:
             return 0
         found = hit_tokens - num_computed_tokens
         r.load_async = self.asynchronous
-        take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens)
+        take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens, context=num_computed_tokens)
         if take > 0 and not self.asynchronous and self.can_load_async:
             budget = self.sync_budget_bytes()
             if budget is not None and self._step_sync_bytes + take * self.slot_bytes / self.chunk_tokens > budget:
                 # past what the step can load without waiting: asynchronously (the request waits
                 # outside the batch), as much as the cost model says for that mode
                 r.load_async = True
-                take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens, asynchronous=True)
+                take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens, asynchronous=True,
+                                    context=num_computed_tokens)
             else:
                 self._step_sync_bytes += int(take * self.slot_bytes / self.chunk_tokens)
         if self.state_groups and take < found:  # a shorter hit must end on a chunk whose state is stored
@@ -239,12 +243,13 @@ class Planner:
         return bool(r is not None and r.load_async)
 
     def _choose(self, found: int, prompt_tokens: int, max_load_tokens: int | None,
-                asynchronous: bool | None = None) -> int:
+                asynchronous: bool | None = None, context: int = 0) -> int:
         """The hit policy's choice among the loadable counts of a hit of `found` tokens."""
         q = HitQuery(hit_tokens=found, prompt_tokens=prompt_tokens, chunk_tokens=self.chunk_tokens,
                      bytes_per_token=self.slot_bytes / self.chunk_tokens, step_tokens=self.step_tokens,
                      asynchronous=self.asynchronous if asynchronous is None else asynchronous,
-                     max_load_tokens=max_load_tokens)
+                     max_load_tokens=max_load_tokens, context_tokens=context,
+                     attention_weight=self.attention_weight)
         overhead, load_rate = self.meter.load_model()
         rates = Rates(load_rate, self.meter.prefill_rate,
                       queued_load_bytes=self._unsent_load_bytes + sum(self._step_load_bytes.values()),
@@ -408,7 +413,9 @@ class Planner:
         """The loads and stores of one step. `scheduled[req]` tokens are computed this step on
         top of `computed_before[req]`."""
         plan = StepPlan(step=next(self._steps), idle=not any(scheduled.values()))  # idle: no forward pass runs
-        self.meter.on_scheduled(plan.step, sum(scheduled.values()))
+        w = self.attention_weight
+        work = sum(n * (1.0 + w * (computed_before.get(r, 0) + (n - 1) / 2.0)) for r, n in scheduled.items())
+        self.meter.on_scheduled(plan.step, sum(scheduled.values()), work=work)
         self._batch = len(scheduled)
         self._step_sync_bytes = 0  # the next step's lookups start a new budget
         pins: list[bytes] = []

@@ -116,6 +116,32 @@ def step_tokens(vllm_config: Any) -> int | None:
     return int(v) if isinstance(v, int) and v > 0 else None
 
 
+def attention_weight(vllm_config: Any) -> float:
+    """How a prompt token's compute grows with its position (`HitQuery.attention_weight`), from the
+    model's config; 0 (every token alike) where the config does not say its shape."""
+    from tutti.engine.hit_policy import attention_weight as weight
+
+    mc = getattr(vllm_config, "model_config", None)
+    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    try:
+        hidden = int(hf.hidden_size)
+        layers = int(hf.num_hidden_layers)
+        q = int(hf.num_attention_heads)
+        kv = int(getattr(hf, "num_key_value_heads", None) or q)
+        d = int(getattr(hf, "head_dim", None) or hidden // q)
+        mlp = getattr(hf, "intermediate_size", None)
+        if getattr(hf, "num_experts_per_tok", None) and getattr(hf, "moe_intermediate_size", None):
+            mlp = int(hf.num_experts_per_tok) * int(hf.moe_intermediate_size)  # the experts a token runs
+        mlp = int(mlp or 4 * hidden)
+        kinds = getattr(hf, "layer_types", None)  # hybrid models: only attention layers attend
+        attn_layers = (sum(1 for k in kinds if str(k) in ("attention", "full_attention"))
+                       if isinstance(kinds, (list, tuple)) and kinds else None)  # "full_attention" or "attention"
+        return weight(hidden=hidden, q_heads=q, kv_heads=kv, head_dim=d, mlp=mlp, layers=layers,
+                      attention_layers=attn_layers)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return 0.0
+
+
 def current_forward_context() -> Any | None:
     """The forward context vLLM has set for this step, or None outside of one."""
     from vllm import forward_context as _fc

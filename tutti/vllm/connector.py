@@ -145,6 +145,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
                 self._planner.sync_budget = self._cfg.sync_load_budget_bytes
                 self._planner.can_load_async = True
             self._planner.step_tokens = compat.step_tokens(vllm_config) or 8192
+            self._planner.attention_weight = compat.attention_weight(vllm_config)
             self._sched_stats = SchedulerStatsTracker(self._planner.index.num_slots * self._planner.slot_bytes)
             hash_bs = self._hash_block_size
             self._events = KVEventTracker(chunk_tokens=self._cfg.chunk_tokens, hash_block_size=hash_bs,
