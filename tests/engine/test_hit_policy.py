@@ -306,6 +306,26 @@ def test_the_auto_budget_is_what_the_read_rate_moves_in_one_full_step():
     assert p.sync_budget_bytes() == pytest.approx(0.3e9, rel=1e-6)
 
 
+def test_the_auto_budget_holds_a_long_prompts_own_first_step():
+    """Run 6 (H200, 8B, 32k hit at a 32768-token step budget, disk at 1.8 GB/s): counting
+    attention, the policy chose to hide about 13k tokens' reads under the suffix's first step, but
+    the budget, a step of fresh tokens (0.81 s), was smaller, so the hit went asynchronous and
+    loaded whole (1.9x recompute). The budget now holds the prompt's own first step."""
+    p = Planner(num_slots=256, chunk_tokens=256, block_size=16, seed=b"s" * 32, slot_bytes=256 * B8,
+                hit_policy=CostModel(), asynchronous=False, step_tokens=32768)
+    p.sync_budget, p.can_load_async = "auto", True
+    p.attention_weight = W8
+    toks = list(range(1, 32769))
+    store_prefix(p, toks)
+    p.meter.on_loads(int(1.836e9), 1.0)
+    # the warm-up's 4096-token prompt took 0.1107 s (its steps' work over their time)
+    p.meter.prefill_tokens, p.meter.prefill_seconds = 4096 * (1 + W8 * 2047.5), 0.1107
+    took = p.match("r", toks, 0)
+    assert not p.wants_async("r")
+    assert 9000 < took < 20000, took
+    assert p.sync_budget_bytes() < took * B8  # a step of fresh tokens would not have held it
+
+
 def test_the_planner_hands_the_policy_its_running_batch():
     seen = []
 
@@ -323,6 +343,12 @@ def test_the_planner_hands_the_policy_its_running_batch():
     p.build_step({f"d{i}": 40 for i in range(3)}, {f"d{i}": 0 for i in range(3)})
     assert p.match("r", toks + [1], 0) == 192
     assert seen[-1] == 3
+    # a request that finished waits for nothing (load_or_compute run 6: the warm-up prompt, done,
+    # still counted as a batch of 1, made a 32k hit load whole from a slow disk asynchronously)
+    p.finished("d0")
+    p.finished("d1")
+    assert p.match("r2", toks + [2], 0) == 192
+    assert seen[-1] == 1
 
 
 def test_a_step_that_loads_layer_wise_is_a_step_time_but_not_a_prefill_rate():

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from tutti.engine.admission import AdmissionPolicy, AdmitAll, StoreCandidate
-from tutti.engine.hit_policy import Always, HitPolicy, HitQuery, RateMeter, Rates, chunk_floor
+from tutti.engine.hit_policy import Always, HitPolicy, HitQuery, RateMeter, Rates, chunk_floor, prefill_work
 from tutti.engine.index import ChunkIndex
 from tutti.engine.keys import Identity, UnkeyableError, chunk_keys, state_key
 from tutti.engine.plan import NULL_BLOCK, LoadChunk, StepPlan, StoreChunk, WorkerReport
@@ -156,7 +156,8 @@ class Planner:
         self._unsent_load_bytes = 0
         self._step_load_bytes: dict[int, int] = {}
         self._backlog = 0  # prompt tokens not computed, as of the last step (plus lookups since)
-        self._batch = 0  # requests of the last step: a prompt computed now lengthens their steps
+        self._batch_ids: frozenset[str] = frozenset()  # requests of the last step: a prompt computed now
+        # lengthens their steps (while they run: a finished one waits for nothing)
 
     # -- lookups --------------------------------------------------------------------------
     def _request(self, req_id: str, tokens: Sequence[int], identity: Identity | None = None) -> _Request:
@@ -203,15 +204,23 @@ class Planner:
             return 0
         found = hit_tokens - num_computed_tokens
         r.load_async = self.asynchronous
-        take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens, context=num_computed_tokens)
+        batch = sum(1 for other in self._batch_ids if other != req_id and other in self._reqs)
+        take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens, context=num_computed_tokens,
+                            batch=batch)
         if take > 0 and not self.asynchronous and self.can_load_async:
-            budget = self.sync_budget_bytes()
+            # the step is at least as long as this prompt's own share of it: with attention counted,
+            # the front of a long prompt's suffix takes longer than a step of fresh tokens
+            q = self._query(found, len(tokens) - num_computed_tokens, max_load_tokens, False, num_computed_tokens)
+            first = min(max(self.step_tokens, 1), q.prompt_tokens - take)
+            prefill = self.meter.prefill_rate
+            own_s = prefill_work(q, take, take + first) / prefill if prefill else 0.0
+            budget = self.sync_budget_bytes(own_s)
             if budget is not None and self._step_sync_bytes + take * self.slot_bytes / self.chunk_tokens > budget:
                 # past what the step can load without waiting: asynchronously (the request waits
                 # outside the batch), as much as the cost model says for that mode
                 r.load_async = True
                 take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens, asynchronous=True,
-                                    context=num_computed_tokens)
+                                    context=num_computed_tokens, batch=batch)
             else:
                 self._step_sync_bytes += int(take * self.slot_bytes / self.chunk_tokens)
         if self.state_groups and take < found:  # a shorter hit must end on a chunk whose state is stored
@@ -225,8 +234,9 @@ class Planner:
         r.computed = num_computed_tokens + take
         return take
 
-    def sync_budget_bytes(self) -> float | None:
-        """The bytes one step may load layer-wise now (None: no budget, or not measured yet)."""
+    def sync_budget_bytes(self, step_s: float = 0.0) -> float | None:
+        """The bytes one step may load layer-wise now (None: no budget, or not measured yet); "auto":
+        what the read rate moves while the GPU computes a full step, or `step_s` if longer."""
         if self.sync_budget is None or self.sync_budget == "off":
             return None
         if self.sync_budget != "auto":
@@ -235,26 +245,31 @@ class Planner:
         prefill = self.meter.prefill_rate
         if not rate or not prefill:
             return None
-        return max(0.0, rate * (self.step_tokens / prefill - overhead))
+        return max(0.0, rate * (max(self.step_tokens / prefill, step_s) - overhead))
 
     def wants_async(self, req_id: str) -> bool:
         """Whether the request's last lookup chose to load asynchronously."""
         r = self._reqs.get(req_id)
         return bool(r is not None and r.load_async)
 
+    def _query(self, found: int, prompt_tokens: int, max_load_tokens: int | None, asynchronous: bool,
+               context: int) -> HitQuery:
+        return HitQuery(hit_tokens=found, prompt_tokens=prompt_tokens, chunk_tokens=self.chunk_tokens,
+                        bytes_per_token=self.slot_bytes / self.chunk_tokens, step_tokens=self.step_tokens,
+                        asynchronous=asynchronous, max_load_tokens=max_load_tokens, context_tokens=context,
+                        attention_weight=self.attention_weight)
+
     def _choose(self, found: int, prompt_tokens: int, max_load_tokens: int | None,
-                asynchronous: bool | None = None, context: int = 0) -> int:
-        """The hit policy's choice among the loadable counts of a hit of `found` tokens."""
-        q = HitQuery(hit_tokens=found, prompt_tokens=prompt_tokens, chunk_tokens=self.chunk_tokens,
-                     bytes_per_token=self.slot_bytes / self.chunk_tokens, step_tokens=self.step_tokens,
-                     asynchronous=self.asynchronous if asynchronous is None else asynchronous,
-                     max_load_tokens=max_load_tokens, context_tokens=context,
-                     attention_weight=self.attention_weight)
+                asynchronous: bool | None = None, context: int = 0, batch: int = 0) -> int:
+        """The hit policy's choice among the loadable counts of a hit of `found` tokens; `batch`:
+        the other requests running."""
+        q = self._query(found, prompt_tokens, max_load_tokens,
+                        self.asynchronous if asynchronous is None else asynchronous, context)
         overhead, load_rate = self.meter.load_model()
         rates = Rates(load_rate, self.meter.prefill_rate,
                       queued_load_bytes=self._unsent_load_bytes + sum(self._step_load_bytes.values()),
                       prefill_backlog_tokens=max(0, self._backlog), load_age_s=self.meter.load_age(),
-                      load_overhead_s=overhead, step_s=self.meter.step_time, batch_requests=self._batch)
+                      load_overhead_s=overhead, step_s=self.meter.step_time, batch_requests=batch)
         try:
             want = self.hit_policy.decide(q, rates)
         except Exception:  # noqa: BLE001 - a research policy's bug costs its hits, never the step
@@ -416,7 +431,7 @@ class Planner:
         w = self.attention_weight
         work = sum(n * (1.0 + w * (computed_before.get(r, 0) + (n - 1) / 2.0)) for r, n in scheduled.items())
         self.meter.on_scheduled(plan.step, sum(scheduled.values()), work=work)
-        self._batch = len(scheduled)
+        self._batch_ids = frozenset(scheduled)
         self._step_sync_bytes = 0  # the next step's lookups start a new budget
         pins: list[bytes] = []
         foreign_keys: list[bytes] = []
