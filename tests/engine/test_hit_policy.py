@@ -326,6 +326,30 @@ def test_the_auto_budget_holds_a_long_prompts_own_first_step():
     assert p.sync_budget_bytes() < took * B8  # a step of fresh tokens would not have held it
 
 
+def test_a_request_looked_up_again_is_not_queued_ahead_of_itself():
+    """vLLM looks a waiting request up again every step it finds no room: its own prompt was
+    counted as prefill backlog ahead of it (a recompute looked as if it waited for itself)."""
+    seen = []
+
+    class Spy:
+        def decide(self, query, rates):
+            seen.append(rates.prefill_backlog_tokens)
+            return 0
+
+    p = planner(Spy())
+    toks = list(range(1, 200))
+    store_prefix(p, toks)
+    p.match("other", [5000] * 300, 0)  # a prompt of 300 tokens waiting, nothing stored
+    p.match("r", toks + [1], 0)
+    p.match("r", toks + [1], 0)
+    p.build_step({}, {})
+    p.match("r", toks + [1], 0)
+    assert seen == [300, 300, 300]
+    p.finished("other")  # aborted while it waited
+    p.match("r", toks + [1], 0)
+    assert seen[-1] == 0
+
+
 def test_the_planner_hands_the_policy_its_running_batch():
     seen = []
 

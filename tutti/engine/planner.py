@@ -71,6 +71,7 @@ class _Request:
     async_load: bool = False  # vLLM waits for the worker to report its loads received
     stored_state_upto: int = 0  # state groups: chunks whose end state was planned (or loaded)
     computed: int = 0  # prompt tokens computed or loaded (or to be loaded): the rest is prefill backlog
+    in_backlog: int = 0  # its tokens counted in the planner's prefill backlog (a request waits ahead of itself never)
     declined: int = 0  # hit tokens the policy chose to recompute at the last lookup
     prompt_len: int = 0  # the prompt's tokens (tokens grows with generated ones under store_decode)
     load_async: bool = False  # the last lookup's hit goes asynchronously (past the step's sync budget)
@@ -181,6 +182,8 @@ class Planner:
         least one prompt token left for vLLM to compute. `identity(start, end)` gives the bytes
         of what else tokens [start, end) depend on (see tutti.engine.keys)."""
         r = self._request(req_id, tokens, identity)
+        self._backlog -= r.in_backlog  # looked up again (it waited for room): not queued ahead of itself
+        r.in_backlog = 0
         usable = (len(tokens) - 1) // self.chunk_tokens
         r.hit_sources = self._locate(r.keys[:usable])
         if self.state_groups:  # the hit ends on the last chunk whose state is stored too
@@ -200,7 +203,8 @@ class Planner:
         r.declined = 0
         if hit_tokens <= num_computed_tokens:
             r.hit_chunks = 0
-            self._backlog += len(tokens) - num_computed_tokens
+            r.in_backlog = len(tokens) - num_computed_tokens
+            self._backlog += r.in_backlog
             return 0
         found = hit_tokens - num_computed_tokens
         r.load_async = self.asynchronous
@@ -226,7 +230,8 @@ class Planner:
         if self.state_groups and take < found:  # a shorter hit must end on a chunk whose state is stored
             take = 0
         r.declined = found - take  # counted once vLLM allocates (it may look a request up again)
-        self._backlog += len(tokens) - num_computed_tokens - take
+        r.in_backlog = len(tokens) - num_computed_tokens - take
+        self._backlog += r.in_backlog
         if take <= 0:
             r.hit_chunks = 0
             return 0
@@ -510,7 +515,10 @@ class Planner:
             self._step_foreign[plan.async_step] = [ld.key for ld in plan.async_loads if ld.source is not None]
             self._sent(plan.async_step, plan.async_loads)
         plan.preempted, self._preempted = self._preempted, []
-        self._backlog = sum(max(0, len(r.tokens) - r.computed) for r in self._reqs.values())
+        self._backlog = 0
+        for r in self._reqs.values():
+            r.in_backlog = max(0, len(r.tokens) - r.computed)
+            self._backlog += r.in_backlog
         return plan
 
     def _admitted(self, fresh: list[bytes], want: list, keys: list[bytes]) -> list[bytes]:
@@ -565,6 +573,7 @@ class Planner:
         r = self._reqs.pop(req_id, None)
         if r is None:
             return False
+        self._backlog -= r.in_backlog  # an aborted prompt no longer waits ahead of anyone
         for ld in r.loads:  # planned but never sent (aborted before its step)
             if ld.source is None:
                 self.index.unpin([ld.key])
