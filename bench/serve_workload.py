@@ -21,6 +21,9 @@ prompt of more than about 6 characters a token before tokenizing it).
 
     python3 bench/serve_workload.py --out /tmp/serve                      # the GPU: 8B KV geometry
     python3 bench/serve_workload.py --out /tmp/serve --tiny               # the CPU smoke run
+    python3 bench/serve_workload.py --out $OUT --cases offloading,tutti_shm --profile-steps 300 --profile-delay 600
+        # the GPU streams of 300 steps of each server (bench/trace_summary.py); its throughput is a
+        # profiled run's, not a figure to compare with unprofiled calls
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]
 from gil_profile import GilRecorder, find_py_spy, tutti_share  # noqa: E402
+from trace_summary import find_traces, load_events, summarize  # noqa: E402
 from vllm_ttft import make_model  # noqa: E402
 
 # counters scraped from /metrics (each summed over its label sets), before and after a run
@@ -190,7 +194,40 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"the server was not ready after {timeout:.0f} s")
 
 
-def server_cmd(a, model: str, kvt: dict | None, port: int) -> list[str]:
+def profile_dir(a, case: str) -> str:
+    return os.path.abspath(os.path.join(a.out, f"prof_{case}"))
+
+
+def profiler_config(a, case: str) -> dict:
+    """vLLM's torch profiler over `--profile-steps` engine steps, `--profile-delay` steps into the
+    client's run (the worker's trace only: no stacks, no shapes, no front end)."""
+    return {"profiler": "torch", "torch_profiler_dir": profile_dir(a, case), "torch_profiler_with_stack": False,
+            "torch_profiler_record_shapes": False, "ignore_frontend": True,
+            "delay_iterations": a.profile_delay, "max_iterations": a.profile_steps}
+
+
+def post(port: int, path: str, timeout: float = 120) -> None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        r.read()
+
+
+def profile_summary(a, case: str, wait_s: float = 120.0) -> list[dict]:
+    """The case's traces, summarised (bench/trace_summary.py) and, without --keep-traces, removed."""
+    d = profile_dir(a, case)
+    end = time.time() + wait_s
+    traces = find_traces(d)
+    while not traces and time.time() < end:  # written when the profiler stops
+        time.sleep(2)
+        traces = find_traces(d)
+    time.sleep(2)  # a trace still being written
+    out = [{"trace": os.path.basename(t), **summarize(load_events(t))} for t in find_traces(d)]
+    if not a.keep_traces:
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def server_cmd(a, model: str, kvt: dict | None, port: int, case: str = "") -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
            "--host", "127.0.0.1", "--max-model-len", str(a.max_len), "--seed", "0", "--enable-prefix-caching"]
     if a.tiny:
@@ -202,6 +239,8 @@ def server_cmd(a, model: str, kvt: dict | None, port: int) -> list[str]:
                 "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
     if kvt is not None:
         cmd += ["--kv-transfer-config", json.dumps(kvt)]
+    if getattr(a, "profile_steps", 0):
+        cmd += ["--profiler-config", json.dumps(profiler_config(a, case))]
     return cmd
 
 
@@ -259,7 +298,7 @@ class Server:
         self.log_path = os.path.join(a.out, f"server_{case}.log")
         self.t0 = time.time()
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(server_cmd(a, model, connector(case, a), port), stdout=log,
+            self.proc = subprocess.Popen(server_cmd(a, model, connector(case, a), port, case), stdout=log,
                                          stderr=subprocess.STDOUT, env=server_env(a), start_new_session=True)
         self.start_s: float | None = None
 
@@ -295,12 +334,20 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
         rec = None
         if a.py_spy_bin:  # who holds the GIL in the server's processes while the client runs
             rec = GilRecorder.start(a.py_spy_bin, srv.proc.pid, os.path.join(a.out, f"gil_{srv.case}.txt"))
+        if a.profile_steps:  # the profiler starts --profile-delay steps into the client's run
+            post(srv.port, "/start_profile")
         try:
             b = subprocess.run(bench_cmd(a, model, rdir, dataset, srv.port), capture_output=True, text=True,
                                env=server_env(a), timeout=a.bench_timeout)
         finally:
             if rec is not None:
                 res["gil"] = rec.stop()
+            if a.profile_steps:
+                try:
+                    post(srv.port, "/stop_profile")  # already stopped after --profile-steps: harmless
+                except Exception as exc:  # noqa: BLE001 - the trace may be written all the same
+                    res["profile_stop"] = repr(exc)[-300:]
+                res["profile"] = profile_summary(a, srv.case)
         if b.returncode != 0:
             raise RuntimeError(f"vllm bench serve exited {b.returncode}: {(b.stderr or b.stdout)[-2000:]}")
         time.sleep(2)  # the last steps' counters reach /metrics
@@ -337,6 +384,25 @@ def table(results: list[dict]) -> str:
                     f"{m['vllm:tutti_worker_thread_cpu_seconds']:.2f} ({m['vllm:tutti_worker_thread_wait_seconds']:.2f}) / "
                     f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} | {gil} |")
     return "\n".join(rows)
+
+
+def profile_table(results: list[dict]) -> str:
+    """The traced window of each server (--profile-steps): does the compute stream wait between
+    kernels (the host is late), and what else ran on the GPU beside it?"""
+    rows = []
+    for r in results:
+        for p in r.get("profile") or []:
+            c, cp, tk, st = p.get("compute", {}), p.get("copies", {}), p.get("tutti_kernels", {}), p.get("steps", {})
+            rows.append(f"| {r['case']} | {p.get('window_ms', '-')} | {c.get('busy_fraction', '-')} | "
+                        f"{c.get('idle_ms', '-')} | {c.get('gaps_over_1000us', {}).get('n', '-')} / "
+                        f"{c.get('gaps_over_1000us', {}).get('ms', '-')} | {tk.get('ms', '-')} | "
+                        f"{cp.get('HtoD', {}).get('ms', 0)} / {cp.get('DtoH', {}).get('ms', 0)} | "
+                        f"{st.get('n', '-')} / {st.get('mean_ms', '-')} |")
+    if not rows:
+        return ""
+    return ("\n\n| case (trace) | GPU window ms | compute stream busy | its idle ms | idle gaps > 1 ms (n / ms) | "
+            "tutti kernels ms | copies HtoD / DtoH ms | steps (n / mean ms) |\n|---|---|---|---|---|---|---|---|\n"
+            + "\n".join(rows))
 
 
 def host_memory_available() -> int | None:
@@ -393,6 +459,11 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.2,
                     help="each server's share (vLLM refuses to start when less is free); the KV cache is "
                          "--kv-cache-bytes whatever this is")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="trace this many engine steps of each server with vLLM's torch profiler and put a summary "
+                         "of its GPU streams in the results (bench/trace_summary.py); 0 (default): off")
+    ap.add_argument("--profile-delay", type=int, default=300, help="engine steps into the client's run the trace starts")
+    ap.add_argument("--keep-traces", action="store_true", help="keep the traces (tens of MB each) beside the results")
     ap.add_argument("--py-spy", default="", help="sample who holds the GIL in each server while its client runs "
                     "(py-spy --gil; 'auto' finds it on PATH or in .gpu_pytest/bin); off by default")
     a = ap.parse_args()
@@ -443,7 +514,7 @@ def main() -> None:
             results.append(r)
             print("SERVE " + json.dumps({k: v for k, v in r.items() if k != "server_log_tail"}), flush=True)
             # written after every case: a call that runs out of time still brings back the cases it ran
-            md = table(results)
+            md = table(results) + profile_table(results)
             with open(os.path.join(a.out, f"serve_{a.workload}.json"), "w") as f:
                 json.dump({"args": {k: v for k, v in vars(a).items()}, "results": results}, f, indent=1)
             with open(os.path.join(a.out, f"serve_{a.workload}.md"), "w") as f:

@@ -61,3 +61,35 @@ def test_gil_samples_of_a_spawned_engine_core_are_its_own_process(tmp_path):
     assert procs["548"]["threads"]["MainThread"]["samples"] == 30 and "tutti-async-loads" not in procs["548"]["threads"]
     assert procs["966"]["threads"]["tutti-async-loads"]["share"] == 0.1 and procs["966"]["gil_share"] == 0.3
     assert gp.tutti_share(s) == 0.1
+
+
+def test_a_profiler_trace_is_summarised_by_stream_gap_and_kernel(tmp_path):
+    """bench/trace_summary.py on a real torch profiler trace (this machine has no GPU: its steps are
+    vLLM-style `execute_*` annotations) with GPU events added as CUPTI writes them."""
+    import json
+
+    import torch
+    import trace_summary as ts
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for i in range(3):
+            with torch.profiler.record_function(f"execute_context_0(0)_generation_{i}({i})"):
+                torch.ones(64).sum()
+    path = tmp_path / "rank0.x.pt.trace.json"
+    prof.export_chrome_trace(str(path))
+    data = json.loads(path.read_text())
+    k = lambda ts_, dur, name, tid=7: {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": tid,  # noqa: E731
+                                       "ts": ts_, "dur": dur}
+    data["traceEvents"] += [k(0, 100, "gemm"), k(150, 100, "gemm"), k(2250, 100, "attn"),  # gaps: 50 us, 2000 us
+                            k(160, 30, "_paged_copy_kernel_0d1", tid=9), k(200, 20, "_checksum_kernel", tid=9),
+                            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "pid": 0,
+                             "tid": 11, "ts": 300, "dur": 500, "args": {"bytes": 2_000_000_000}}]
+    path.write_text(json.dumps(data))
+    s = ts.summarize(ts.load_events(str(path)))
+    assert s["steps"]["n"] == 3
+    assert s["streams"][0]["stream"] == "7" and s["streams"][0]["kernels"] == 3
+    assert s["compute"]["idle_ms"] == 2.05 and s["compute"]["gaps_over_1000us"] == {"n": 1, "ms": 2.0}
+    assert s["compute"]["gaps_over_50us"]["n"] == 1  # 50 us is not over 50
+    assert s["tutti_kernels"] == {"n": 2, "ms": 0.05, "streams": ["9"]}
+    assert s["copies"]["HtoD"] == {"n": 1, "ms": 0.5, "GB": 2.0}
+    assert ts.find_traces(str(tmp_path)) == [str(path)]

@@ -1,0 +1,106 @@
+"""What a window of a loaded server's GPU did: a torch profiler trace, summarised.
+
+Why: under `vllm serve` tutti's decode is slower than the OffloadingConnector's (serve.md: TPOT
+6.3-7.0 against 5.7-6.3 ms over a dozen calls) and nothing on the host side explains it
+(`bench/hook_cost.py`, the GIL samples). A trace of the same window of both servers says whether
+the compute stream waits between its kernels (the host is late: hooks, the GIL) or runs longer
+kernels (the GPU is shared: tutti's kernels and copies beside the forward).
+
+    python3 bench/trace_summary.py TRACE.pt.trace.json.gz [...]   # one JSON summary per trace
+
+`bench/serve_workload.py --profile-steps N` takes the traces (vLLM's `--profiler-config`, started
+and stopped around the client's run) and puts each server's summary in its results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+
+TUTTI_KERNELS = ("_paged_copy_kernel", "_checksum_kernel")  # tutti/kernels: gather/scatter, checksums
+GAP_US = (50.0, 1000.0)  # compute-stream idle gaps counted above these
+
+
+def load_events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        data = json.load(f)
+    return data.get("traceEvents", []) if isinstance(data, dict) else data
+
+
+def summarize(events: list[dict]) -> dict:
+    """GPU time by stream, the compute stream's idle gaps, tutti's kernels, copies by direction, and
+    the CPU's step annotations (vLLM's `execute_*` ranges) over the trace's GPU window."""
+    spans = [e for e in events if e.get("ph") == "X" and isinstance(e.get("dur"), (int, float))]
+    gpu = [e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    out: dict = {"gpu_events": len(gpu)}
+    if gpu:
+        t0 = min(e["ts"] for e in gpu)
+        t1 = max(e["ts"] + e["dur"] for e in gpu)
+        out["window_ms"] = round((t1 - t0) / 1e3, 3)
+    streams: dict = collections.defaultdict(lambda: {"busy_us": 0.0, "kernels": 0, "names": collections.Counter()})
+    for e in gpu:
+        if e.get("cat") != "kernel":
+            continue
+        s = streams[(e.get("pid"), e.get("tid"))]
+        s["busy_us"] += e["dur"]
+        s["kernels"] += 1
+        s["names"][str(e.get("name", ""))[:60]] += e["dur"]
+    ranked = sorted(streams.items(), key=lambda kv: -kv[1]["busy_us"])
+    out["streams"] = [{"stream": str(k[1]), "busy_ms": round(v["busy_us"] / 1e3, 3), "kernels": v["kernels"],
+                       "top": [[n, round(us / 1e3, 3)] for n, us in v["names"].most_common(4)]}
+                      for k, v in ranked[:6]]
+    if ranked:
+        key = ranked[0][0]  # the compute stream: the busiest
+        ks = sorted((e for e in gpu if e.get("cat") == "kernel" and (e.get("pid"), e.get("tid")) == key),
+                    key=lambda e: e["ts"])
+        gaps = [max(0.0, b["ts"] - (a["ts"] + a["dur"])) for a, b in zip(ks, ks[1:])]
+        span = (ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]) if ks else 0.0
+        out["compute"] = {"span_ms": round(span / 1e3, 3), "busy_ms": round(ranked[0][1]["busy_us"] / 1e3, 3),
+                          "busy_fraction": round(ranked[0][1]["busy_us"] / span, 4) if span else None,
+                          "idle_ms": round(sum(gaps) / 1e3, 3)}
+        for lim in GAP_US:
+            big = [g for g in gaps if g > lim]
+            out["compute"][f"gaps_over_{int(lim)}us"] = {"n": len(big), "ms": round(sum(big) / 1e3, 3)}
+    tk = [e for e in gpu if e.get("cat") == "kernel" and any(n in str(e.get("name", "")) for n in TUTTI_KERNELS)]
+    out["tutti_kernels"] = {"n": len(tk), "ms": round(sum(e["dur"] for e in tk) / 1e3, 3),
+                            "streams": sorted({str(e.get("tid")) for e in tk})}
+    copies: dict = collections.defaultdict(lambda: {"n": 0, "ms": 0.0, "GB": 0.0})
+    for e in gpu:
+        if e.get("cat") != "gpu_memcpy":
+            continue
+        name = str(e.get("name", ""))
+        kind = next((k for k in ("HtoD", "DtoH", "DtoD", "HtoH") if k in name), "other")
+        c = copies[kind]
+        c["n"] += 1
+        c["ms"] += e["dur"] / 1e3
+        c["GB"] += float((e.get("args") or {}).get("bytes", 0)) / 1e9
+    out["copies"] = {k: {"n": v["n"], "ms": round(v["ms"], 3), "GB": round(v["GB"], 3)} for k, v in copies.items()}
+    steps = [e for e in spans if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("execute_")]
+    if steps:
+        durs = sorted(e["dur"] for e in steps)
+        out["steps"] = {"n": len(steps), "mean_ms": round(sum(durs) / len(durs) / 1e3, 3),
+                        "p50_ms": round(durs[len(durs) // 2] / 1e3, 3)}
+    return out
+
+
+def find_traces(root: str) -> list[str]:
+    found = []
+    for d, _, files in os.walk(root):
+        found += [os.path.join(d, f) for f in files if ".pt.trace.json" in f]
+    return sorted(found)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("traces", nargs="+")
+    a = ap.parse_args()
+    for p in a.traces:
+        print(json.dumps({"trace": p, **summarize(load_events(p))}))
+
+
+if __name__ == "__main__":
+    main()
