@@ -65,6 +65,34 @@ def summarize(events: list[dict]) -> dict:
         for lim in GAP_US:
             big = [g for g in gaps if g > lim]
             out["compute"][f"gaps_over_{int(lim)}us"] = {"n": len(big), "ms": round(sum(big) / 1e3, 3)}
+        # where the compute stream waits: idle time by the kernels on either side (a step's start,
+        # an eager attention layer between graph pieces, ...), to compare servers phase by phase
+        cs = sorted((e for e in gpu if (e.get("pid"), e.get("tid")) == key), key=lambda e: e["ts"])
+        pairs: collections.Counter = collections.Counter()
+        count: collections.Counter = collections.Counter()
+        for a, b in zip(cs, cs[1:]):
+            g = b["ts"] - (a["ts"] + a["dur"])
+            if g > 20:
+                k = (str(a.get("name", ""))[:45], str(b.get("name", ""))[:45])
+                pairs[k] += g
+                count[k] += 1
+        out["compute"]["idle_by_neighbours"] = [[a, b, count[(a, b)], round(us / 1e3, 3)]
+                                                for (a, b), us in pairs.most_common(8)]
+    # the host's CUDA calls by thread: the engine's thread (the most calls) and tutti's; a launch that
+    # blocks for milliseconds (a kernel's module loaded on first use, a full queue) stalls every thread
+    rt = [e for e in spans if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    corr = {(e.get("args") or {}).get("correlation"): e for e in gpu if (e.get("args") or {}).get("correlation")}
+    threads: dict = collections.defaultdict(collections.Counter)
+    for e in rt:
+        threads[e.get("tid")][str(e.get("name"))] += e["dur"]
+    out["host_threads"] = [{"tid": str(t), "cuda_ms": round(sum(c.values()) / 1e3, 3),
+                            "top": [[n, round(us / 1e3, 3)] for n, us in c.most_common(3)]}
+                           for t, c in sorted(threads.items(), key=lambda kv: -sum(kv[1].values()))[:6]]
+    slow = sorted((e for e in rt if e["dur"] > 2000 and "Synchronize" not in str(e.get("name"))),
+                  key=lambda e: -e["dur"])[:10]
+    out["slow_launches"] = [[str(e.get("tid")), str(e.get("name")), round(e["dur"] / 1e3, 3),
+                             str(corr.get((e.get("args") or {}).get("correlation"), {}).get("name", ""))[:70]]
+                            for e in slow]
     tk = [e for e in gpu if e.get("cat") == "kernel" and any(n in str(e.get("name", "")) for n in TUTTI_KERNELS)]
     out["tutti_kernels"] = {"n": len(tk), "ms": round(sum(e["dur"] for e in tk) / 1e3, 3),
                             "streams": sorted({str(e.get("tid")) for e in tk})}

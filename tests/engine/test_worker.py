@@ -116,6 +116,40 @@ def test_partial_chunk_load_leaves_local_blocks_alone(tmp_path):
     w.close()
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["file", "mapped"])
+def test_the_warm_up_runs_every_op_a_load_runs_and_changes_no_byte(tmp_path, mapped):
+    """CUDA loads a kernel's module on its first launch, holding the context's lock: a serving trace
+    caught vLLM's thread stalled 25 ms behind a load's first index_select. Every op of these loads
+    (partial chunks, rows picked by index, verdicts) ran at start-up first, on block 0's own bytes."""
+    def ops(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+        return {e.key for e in prof.key_averages() if e.key.startswith("aten::")}
+
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(0, [0, 1]), (1, [2, 3]), (2, [4, 5])])
+    dst = make_caches(1)
+    before = [c.clone() for c in dst]
+    w = worker(tmp_path, dst, mapped_loads=mapped)
+    warm = ops(w.warm_up)
+    assert all(torch.equal(a, b) for a, b in zip(dst, before))
+
+    def loads():
+        run_step(w, StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 0, (10, 11), skip_blocks=1),
+                                       LoadChunk("q", bytes([1]) * 32, 1, (12, 13)),
+                                       LoadChunk("q", bytes([2]) * 32, 2, (14, 15))]))
+        run_step(w, StepPlan(3, loads=[LoadChunk("q", bytes([0]) * 32, 0, (16, 17)),
+                                       LoadChunk("q", bytes([2]) * 32, 2, (18, 19), skip_blocks=1)]))
+        run_step(w, StepPlan(4))
+
+    served = ops(loads)
+    assert w.take_failed_blocks() == set()
+    assert served - warm == set()
+    for s, d in zip(src, dst):
+        assert torch.equal(d[11], s[1]) and torch.equal(d[[12, 13, 14, 15]], s[[2, 3, 4, 5]])
+    w.close()
+
+
 class RecordingQueue(IOQueue):
     """Wraps a real queue: records each submit and can fail the k-th read."""
 

@@ -291,6 +291,48 @@ class LoadPipeline:
                 self._bad_host = self._bad
         self._items = []
 
+    def warm_up(self, max_loads: int, blocks_per_chunk: int) -> None:
+        """At start-up, every kernel a load launches beside the copy kernels: verdicts OR-ed in
+        place and by index, rows picked by index, a partial chunk, one layer and every layer.
+        CUDA loads a kernel's module on its first launch while holding the context's lock, and
+        every thread's launch waits behind it: a serving trace (serve.md, run 14) caught the
+        engine's thread stalled 25 ms behind this pipeline's first index_select. Block 0 of the
+        caches is read and written back with its own bytes; the verdict buffer is sized for
+        `max_loads` chunks a step (pinned memory is not allocated while serving). Hybrid models
+        (several block lists a chunk) load layer by layer: their warm-up is the worker's."""
+        ctx = self.ctx
+        L, bpc = ctx.num_layers, blocks_per_chunk
+        blocks = tuple([0] * bpc)
+        if ctx.cuda:
+            self._verdicts(max(1, max_loads) * L)
+        if ctx.num_groups != 1:
+            return
+        saved = (self._loads, self._sums, self._bad)
+        try:
+            with self._on_stream():
+                data = torch.empty((3, L, ctx.seg), dtype=torch.uint8, device=ctx.device)
+                ctx.gather(ctx.caches, [blocks] * 3, data.transpose(0, 1))
+                self._loads = [LoadChunk("warm-up", b"", -1, blocks),
+                               LoadChunk("warm-up", b"", -1, blocks, skip_blocks=1 if bpc > 1 else 0),
+                               LoadChunk("warm-up", b"", -1, blocks)]
+                self._sums = [tuple([0] * L)] * 3
+                self._bad = torch.zeros((3, L), dtype=torch.bool, device=ctx.device)
+                every = list(range(L))
+                self.verify(data, [0, 1, 2], every, 0)  # consecutive: in place
+                self.verify(data[0::2], [0, 2], every, 0)  # by index
+                self.verify(data[1:2, :1], [1], [0], 0)  # one layer (the file path)
+                self.scatter(data, [0, 1, 2], every, [0, 1, 2], 0)  # rows by index, a partial chunk
+                self.scatter(data[:, :1], [0, 1, 2], [0], [0, 2], 0)  # one layer
+                host = self._bad
+                if ctx.cuda:
+                    host = self._verdicts(self._bad.numel()).view(self._bad.shape)
+                    host.copy_(self._bad, non_blocking=True)
+            if ctx.cuda:
+                torch.cuda.synchronize(ctx.device)
+            _ = bool(host.any())  # as resolve() reads the verdicts
+        finally:
+            self._loads, self._sums, self._bad = saved
+
     def _verdicts(self, n: int) -> torch.Tensor:
         """Pinned host room for a step's checksum verdicts, reused step after step (read by
         resolve() before the next step's finish); it grows only past every earlier step's size."""

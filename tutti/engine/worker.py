@@ -233,6 +233,8 @@ class WorkerPipeline:
             ctx.checksum(whole.view(ctx.num_layers, ctx.seg))
         if bpc > 1:  # a partial chunk: every block is block 0, so its bytes come back unchanged
             self.loads._scatter_partial(0, seg, tuple(blocks[0]), 1)
+        # the load path's other kernels, and its verdict buffer for a step loading every block
+        self.loads.warm_up(-(-ctx.layout.num_blocks // (ctx.kbpb * bpc)) + 1, bpc)
         if ctx.cuda:
             torch.cuda.synchronize(ctx.device)
         t1 = time.perf_counter()
