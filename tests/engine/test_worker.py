@@ -116,8 +116,9 @@ def test_partial_chunk_load_leaves_local_blocks_alone(tmp_path):
     w.close()
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["in_step", "async"])
 @pytest.mark.parametrize("mapped", [False, True], ids=["file", "mapped"])
-def test_the_warm_up_runs_every_op_a_load_runs_and_changes_no_byte(tmp_path, mapped):
+def test_the_warm_up_runs_every_op_a_load_runs_and_changes_no_byte(tmp_path, mapped, asynchronous):
     """CUDA loads a kernel's module on its first launch, holding the context's lock: a serving trace
     caught vLLM's thread stalled 25 ms behind a load's first index_select. Every op of these loads
     (partial chunks, rows picked by index, verdicts) ran at start-up first, on block 0's own bytes."""
@@ -130,16 +131,22 @@ def test_the_warm_up_runs_every_op_a_load_runs_and_changes_no_byte(tmp_path, map
     store_chunks(tmp_path, src, [(0, [0, 1]), (1, [2, 3]), (2, [4, 5])])
     dst = make_caches(1)
     before = [c.clone() for c in dst]
-    w = worker(tmp_path, dst, mapped_loads=mapped)
+    w = worker(tmp_path, dst, mapped_loads=mapped, async_loads=asynchronous)
     warm = ops(w.warm_up)
     assert all(torch.equal(a, b) for a, b in zip(dst, before))
+    if DEV == "cuda":  # pinned room for the verdicts of a step loading every block: never allocated while serving
+        lp = w.async_loads.pipeline if asynchronous else w.loads
+        assert lp._verdict_buf is not None and lp._verdict_buf.numel() >= (B // 2) * L
+
+    def step(n, lds):
+        run_step(w, StepPlan(n, async_step=n + 100, async_loads=lds) if asynchronous else StepPlan(n, loads=lds))
+        w.flush()
 
     def loads():
-        run_step(w, StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 0, (10, 11), skip_blocks=1),
-                                       LoadChunk("q", bytes([1]) * 32, 1, (12, 13)),
-                                       LoadChunk("q", bytes([2]) * 32, 2, (14, 15))]))
-        run_step(w, StepPlan(3, loads=[LoadChunk("q", bytes([0]) * 32, 0, (16, 17)),
-                                       LoadChunk("q", bytes([2]) * 32, 2, (18, 19), skip_blocks=1)]))
+        step(2, [LoadChunk("q", bytes([0]) * 32, 0, (10, 11), skip_blocks=1),
+                 LoadChunk("q", bytes([1]) * 32, 1, (12, 13)), LoadChunk("q", bytes([2]) * 32, 2, (14, 15))])
+        step(3, [LoadChunk("q", bytes([0]) * 32, 0, (16, 17)),
+                 LoadChunk("q", bytes([2]) * 32, 2, (18, 19), skip_blocks=1)])
         run_step(w, StepPlan(4))
 
     served = ops(loads)

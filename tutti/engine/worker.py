@@ -15,6 +15,7 @@ same code runs with synchronous kernels.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import time
 from typing import Callable, Sequence
@@ -233,8 +234,14 @@ class WorkerPipeline:
             ctx.checksum(whole.view(ctx.num_layers, ctx.seg))
         if bpc > 1:  # a partial chunk: every block is block 0, so its bytes come back unchanged
             self.loads._scatter_partial(0, seg, tuple(blocks[0]), 1)
-        # the load path's other kernels, and its verdict buffer for a step loading every block
-        self.loads.warm_up(-(-ctx.layout.num_blocks // (ctx.kbpb * bpc)) + 1, bpc)
+        # the load path's other kernels, and its verdict buffer for a step loading every block; the
+        # asynchronous loads' pipeline too, on their thread's stream (the allocator's pools are per stream)
+        max_loads = -(-ctx.layout.num_blocks // (ctx.kbpb * bpc)) + 1
+        self.loads.warm_up(max_loads, bpc)
+        if self.async_loads is not None:
+            stream = self.async_loads.stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.async_loads.pipeline.warm_up(max_loads, bpc)
         if ctx.cuda:
             torch.cuda.synchronize(ctx.device)
         t1 = time.perf_counter()
