@@ -71,7 +71,7 @@ class _Request:
     async_load: bool = False  # vLLM waits for the worker to report its loads received
     stored_state_upto: int = 0  # state groups: chunks whose end state was planned (or loaded)
     computed: int = 0  # prompt tokens computed or loaded (or to be loaded): the rest is prefill backlog
-    in_backlog: int = 0  # its tokens counted in the planner's prefill backlog (a request waits ahead of itself never)
+    in_backlog: int = 0  # its tokens in the planner's prefill backlog (taken out when it is looked up again)
     declined: int = 0  # hit tokens the policy chose to recompute at the last lookup
     prompt_len: int = 0  # the prompt's tokens (tokens grows with generated ones under store_decode)
     load_async: bool = False  # the last lookup's hit goes asynchronously (past the step's sync budget)
