@@ -392,16 +392,20 @@ def profile_table(results: list[dict]) -> str:
     rows = []
     for r in results:
         for p in r.get("profile") or []:
-            c, cp, tk, st = p.get("compute", {}), p.get("copies", {}), p.get("tutti_kernels", {}), p.get("steps", {})
+            c, cp, tk = p.get("compute", {}), p.get("copies", {}), p.get("tutti_kernels", {})
+            gs = p.get("gpu_steps", {})
+            dec, mix = gs.get("decode", {}), gs.get("prefill+decode", {})
             rows.append(f"| {r['case']} | {p.get('window_ms', '-')} | {c.get('busy_fraction', '-')} | "
                         f"{c.get('idle_ms', '-')} | {c.get('gaps_over_1000us', {}).get('n', '-')} / "
                         f"{c.get('gaps_over_1000us', {}).get('ms', '-')} | {tk.get('ms', '-')} | "
                         f"{cp.get('HtoD', {}).get('ms', 0)} / {cp.get('DtoH', {}).get('ms', 0)} | "
-                        f"{st.get('n', '-')} / {st.get('mean_ms', '-')} |")
+                        f"{dec.get('n', '-')} / {dec.get('mean_ms', '-')} / {dec.get('busy_fraction', '-')} | "
+                        f"{mix.get('n', '-')} / {mix.get('mean_ms', '-')} / {mix.get('busy_fraction', '-')} |")
     if not rows:
         return ""
     return ("\n\n| case (trace) | GPU window ms | compute stream busy | its idle ms | idle gaps > 1 ms (n / ms) | "
-            "tutti kernels ms | copies HtoD / DtoH ms | steps (n / mean ms) |\n|---|---|---|---|---|---|---|---|\n"
+            "tutti kernels ms | copies HtoD / DtoH ms | decode steps (n / mean ms / busy) | "
+            "steps that prefill (n / mean ms / busy) |\n|---|---|---|---|---|---|---|---|---|\n"
             + "\n".join(rows))
 
 

@@ -15,6 +15,7 @@ and stopped around the client's run) and puts each server's summary in its resul
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -107,6 +108,28 @@ def summarize(events: list[dict]) -> dict:
         c["ms"] += e["dur"] / 1e3
         c["GB"] += float((e.get("args") or {}).get("bytes", 0)) / 1e9
     out["copies"] = {k: {"n": v["n"], "ms": round(v["ms"], 3), "GB": round(v["GB"], 3)} for k, v in copies.items()}
+    # the steps on the GPU's timeline (vLLM's `execute_context_C(tokens)_generation_G(tokens)`):
+    # decode-only steps (no context) against steps that also prefill, and how busy the compute
+    # stream was inside each kind
+    gsteps = [e for e in spans if e.get("cat") == "gpu_user_annotation" and str(e.get("name", "")).startswith("execute_")]
+    if gsteps and ranked:
+        key = ranked[0][0]
+        ks = sorted((e for e in gpu if e.get("cat") == "kernel" and (e.get("pid"), e.get("tid")) == key),
+                    key=lambda e: e["ts"])
+        starts = [e["ts"] for e in ks]
+        kinds: dict = collections.defaultdict(lambda: {"n": 0, "span_us": 0.0, "busy_us": 0.0})
+        for st in gsteps:
+            kind = "decode" if str(st["name"]).startswith("execute_context_0(") else "prefill+decode"
+            a, b = st["ts"], st["ts"] + st["dur"]
+            busy = 0.0
+            for k in ks[bisect.bisect_left(starts, a):bisect.bisect_right(starts, b)]:
+                busy += max(0.0, min(b, k["ts"] + k["dur"]) - k["ts"])
+            kinds[kind]["n"] += 1
+            kinds[kind]["span_us"] += st["dur"]
+            kinds[kind]["busy_us"] += busy
+        out["gpu_steps"] = {k: {"n": v["n"], "mean_ms": round(v["span_us"] / v["n"] / 1e3, 3),
+                                "busy_fraction": round(v["busy_us"] / v["span_us"], 4) if v["span_us"] else None}
+                            for k, v in kinds.items()}
     steps = [e for e in spans if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("execute_")]
     if steps:
         durs = sorted(e["dur"] for e in steps)

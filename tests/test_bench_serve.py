@@ -83,7 +83,12 @@ def test_a_profiler_trace_is_summarised_by_stream_gap_and_kernel(tmp_path):
     data["traceEvents"] += [k(0, 100, "gemm"), k(150, 100, "gemm"), k(2250, 100, "attn"),  # gaps: 50 us, 2000 us
                             k(160, 30, "_paged_copy_kernel_0d1", tid=9), k(200, 20, "_checksum_kernel", tid=9),
                             {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "pid": 0,
-                             "tid": 11, "ts": 300, "dur": 500, "args": {"bytes": 2_000_000_000}}]
+                             "tid": 11, "ts": 300, "dur": 500, "args": {"bytes": 2_000_000_000}},
+                            # the steps on the GPU's timeline: a decode-only one, one that also prefills
+                            {"ph": "X", "cat": "gpu_user_annotation", "name": "execute_context_0(0)_generation_2(2)",
+                             "pid": 0, "tid": 7, "ts": 0, "dur": 250},
+                            {"ph": "X", "cat": "gpu_user_annotation", "name": "execute_context_1(128)_generation_1(1)",
+                             "pid": 0, "tid": 7, "ts": 2000, "dur": 400}]
     path.write_text(json.dumps(data))
     s = ts.summarize(ts.load_events(str(path)))
     assert s["steps"]["n"] == 3
@@ -92,4 +97,6 @@ def test_a_profiler_trace_is_summarised_by_stream_gap_and_kernel(tmp_path):
     assert s["compute"]["gaps_over_50us"]["n"] == 1  # 50 us is not over 50
     assert s["tutti_kernels"] == {"n": 2, "ms": 0.05, "streams": ["9"]}
     assert s["copies"]["HtoD"] == {"n": 1, "ms": 0.5, "GB": 2.0}
+    assert s["gpu_steps"]["decode"] == {"n": 1, "mean_ms": 0.25, "busy_fraction": 0.8}  # 200 of 250 us
+    assert s["gpu_steps"]["prefill+decode"] == {"n": 1, "mean_ms": 0.4, "busy_fraction": 0.25}  # 100 of 400 us
     assert ts.find_traces(str(tmp_path)) == [str(path)]
