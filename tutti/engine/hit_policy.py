@@ -46,13 +46,19 @@ class HitQuery:
     attention_weight: float = 0.0
 
 
-def prefill_work(q: HitQuery, first: int, end: int) -> float:
-    """Tokens `first`..`end` of the prompt's uncomputed part, in token-equivalents at zero context
-    (what `Rates.prefill_tokens_per_s` counts): each costs 1 + w * (the tokens before it)."""
-    n = max(0, end - first)
-    if n == 0 or q.attention_weight <= 0:
+def token_work(n: int, before: int, weight: float) -> float:
+    """`n` prompt tokens after `before` others, in token-equivalents at zero context (what
+    `Rates.prefill_tokens_per_s` counts): each costs 1 + weight * (the tokens before it)."""
+    if n <= 0:
+        return 0.0
+    if weight <= 0:
         return float(n)
-    return n * (1.0 + q.attention_weight * (q.context_tokens + (first + end - 1) / 2.0))
+    return n * (1.0 + weight * (before + (n - 1) / 2.0))
+
+
+def prefill_work(q: HitQuery, first: int, end: int) -> float:
+    """Tokens `first`..`end` of the prompt's uncomputed part, in token-equivalents (`token_work`)."""
+    return token_work(end - first, q.context_tokens + first, q.attention_weight)
 
 
 def attention_weight(*, hidden: int, q_heads: int, kv_heads: int, head_dim: int, mlp: int,

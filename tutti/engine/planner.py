@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from tutti.engine.admission import AdmissionPolicy, AdmitAll, StoreCandidate
-from tutti.engine.hit_policy import Always, HitPolicy, HitQuery, RateMeter, Rates, chunk_floor, prefill_work
+from tutti.engine.hit_policy import (Always, HitPolicy, HitQuery, RateMeter, Rates, chunk_floor, prefill_work,
+                                     token_work)
 from tutti.engine.index import ChunkIndex
 from tutti.engine.keys import Identity, UnkeyableError, chunk_keys, state_key
 from tutti.engine.plan import NULL_BLOCK, LoadChunk, StepPlan, StoreChunk, WorkerReport
@@ -433,8 +434,7 @@ class Planner:
         """The loads and stores of one step. `scheduled[req]` tokens are computed this step on
         top of `computed_before[req]`."""
         plan = StepPlan(step=next(self._steps), idle=not any(scheduled.values()))  # idle: no forward pass runs
-        w = self.attention_weight
-        work = sum(n * (1.0 + w * (computed_before.get(r, 0) + (n - 1) / 2.0)) for r, n in scheduled.items())
+        work = sum(token_work(n, computed_before.get(r, 0), self.attention_weight) for r, n in scheduled.items())
         self.meter.on_scheduled(plan.step, sum(scheduled.values()), work=work)
         self._batch_ids = frozenset(scheduled)
         self._step_sync_bytes = 0  # the next step's lookups start a new budget
