@@ -135,6 +135,9 @@ VARIANTS: dict[str, dict] = {
     "tutti_shm_host": {"mapped_store_copy": "host"},
     # dma_chunk with four chunks' copies queued at once: a prefill burst's stores drain faster
     "tutti_shm_copies4": {"store_copies_in_flight": 4},
+    # asynchronous loads launched by tutti's loading thread (session 11's path; the default
+    # launches a mapped root's from the step's thread: async_launch)
+    "tutti_shm_thread": {"async_launch": "thread"},
 }
 
 

@@ -137,6 +137,9 @@ def test_the_warm_up_runs_every_op_a_load_runs_and_changes_no_byte(tmp_path, map
     if DEV == "cuda":  # pinned room for the verdicts of a step loading every block: never allocated while serving
         lp = w.async_loads.pipeline if asynchronous else w.loads
         assert lp._verdict_buf is not None and lp._verdict_buf.numel() >= (B // 2) * L
+        inline = w.async_loads.inline if asynchronous else None
+        if inline is not None:  # jobs launched from the step's thread: a pinned buffer each, sized now
+            assert inline._pool_free and all(b.numel() >= (B // 2) * L and b.is_pinned() for b in inline._pool_free)
 
     def step(n, lds):
         run_step(w, StepPlan(n, async_step=n + 100, async_loads=lds) if asynchronous else StepPlan(n, loads=lds))
@@ -642,22 +645,131 @@ def test_async_loads_are_bit_exact_and_fail_block_by_block(tmp_path, mapped):
     w.counters.add = lambda **kw: (adds.append(dict(kw)), add(**kw))[1]
     loads = [LoadChunk("a", bytes([0]) * 32, 0, (14, 15)), LoadChunk("b", bytes([1]) * 32, 1, (16, 17)),
              LoadChunk("b", bytes([2]) * 32, 2, (18, 19), skip_blocks=1)]
+    # a mapped root's jobs are launched from the step's thread (async_launch "auto"), the file
+    # path's run on the loading thread
+    assert (w.async_loads.inline is not None) == mapped
     run_step(w, StepPlan(2, async_step=3, async_loads=loads))
     w.flush()
-    # bytes and the seconds they took arrive in one report (the hit policy's read rate): a report
-    # taken while the job's thread runs never holds bytes without their time
-    moved = [a for a in adds if a.get("bytes_loaded")]
-    assert moved and all(a.get("rate_seconds", 0) > 0 and a.get("rate_bytes") == a["bytes_loaded"] for a in moved)
-    assert sum(a["bytes_loaded"] for a in moved) == 3 * L * geometry().segment_bytes  # read (the bad one is judged after)
     if DEV == "cuda":
         torch.cuda.synchronize()
     assert w.received_requests() == ({"a"}, {"b"}, {16, 17})
+    # bytes and the seconds they took arrive in one report (the hit policy's read rate): a report
+    # taken while the job runs never holds bytes without their time
+    moved = [a for a in adds if a.get("bytes_loaded")]
+    assert moved and all(a.get("rate_seconds", 0) > 0 and a.get("rate_bytes") == a["bytes_loaded"] for a in moved)
+    assert sum(a["bytes_loaded"] for a in moved) == 3 * L * geometry().segment_bytes  # read (the bad one is judged after)
     assert w.take_failed_blocks() == set()
     for s, d, b0 in zip(src, dst, before):
         assert torch.equal(d[[14, 15]], s[[0, 1]])
         assert torch.equal(d[19], s[5]) and torch.equal(d[18], b0[18])  # the skipped block is vLLM's own
     rep = w.take_report()
     assert 3 in rep.steps_done and rep.load_failed == [loads[1].key]
+    w.close()
+
+
+def damage(tmp_path, slot, layer):
+    slab = next(p for p in tmp_path.rglob("slab-*.bin"))
+    with open(slab, "r+b") as f:
+        off = slot * geometry().slot_bytes + layer * geometry().segment_bytes + 9
+        f.seek(off); b = f.read(1); f.seek(off); f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_async_loads_launched_from_the_step_thread_report_each_job_with_its_own_failures(tmp_path):
+    """A mapped root's asynchronous loads are launched from the step's thread and only polled
+    after (async_launch "auto"): several jobs in flight land in order, and each is reported with
+    its own failed chunks and blocks, never with another job's."""
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(0, [0, 1]), (1, [2, 3]), (2, [4, 5])])
+    damage(tmp_path, 1, 2)
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True)
+    w.warm_up()
+    assert w.async_loads.inline is not None
+    w.async_loads._run = lambda *a, **kw: pytest.fail("the loading thread ran a mapped root's job")
+    run_step(w, StepPlan(2, async_step=3, async_loads=[LoadChunk("a", bytes([0]) * 32, 0, (14, 15))]))
+    run_step(w, StepPlan(4, async_step=5, async_loads=[LoadChunk("b", bytes([1]) * 32, 1, (16, 17)),
+                                                       LoadChunk("b", bytes([2]) * 32, 2, (18, 19))]))
+    run_step(w, StepPlan(6, async_step=7, async_loads=[LoadChunk("c", bytes([2]) * 32, 2, (20, 21))]))
+    w.flush()
+    assert w.received_requests() == ({"a", "c"}, {"b"}, {16, 17})
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[14, 15]], s[[0, 1]]) and torch.equal(d[[18, 19, 20, 21]], s[[4, 5, 4, 5]])
+    rep = w.take_report()
+    assert {3, 5, 7} <= set(rep.steps_done) and rep.load_failed == [bytes([1]) * 32]
+    assert w.async_loads.pending == 0
+    w.close()
+
+
+def test_async_launch_thread_keeps_mapped_jobs_on_the_loading_thread(tmp_path):
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(0, [0, 1])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True, async_launch="thread")
+    assert w.store.maps_ram and w.async_loads.inline is None
+    run_step(w, StepPlan(2, async_step=3, async_loads=[LoadChunk("a", bytes([0]) * 32, 0, (14, 15))]))
+    w.flush()
+    assert w.received_requests() == ({"a"}, set(), set())
+    w.close()
+
+
+def test_a_step_thread_job_fails_a_chunk_whose_slab_shrank_without_reading_it(tmp_path):
+    """Launched from the step's thread, a job never reads (a read would make the step wait): a
+    chunk whose slab shrank under its mapping fails with its blocks, the others arrive."""
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(0, [0, 1]), (1, [2, 3])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True)
+    w.warm_up()
+    os.truncate(next(tmp_path.rglob("slab-*.bin")), geometry().slot_bytes + geometry().segment_bytes)
+    reads = []
+    submit = w.queue.submit
+    w.queue.submit = lambda *a, **kw: (reads.append(a), submit(*a, **kw))[1]
+    run_step(w, StepPlan(2, async_step=3, async_loads=[LoadChunk("a", bytes([0]) * 32, 0, (8, 9)),
+                                                       LoadChunk("b", bytes([1]) * 32, 1, (10, 11))]))
+    w.flush()
+    assert w.received_requests() == ({"a"}, {"b"}, {10, 11}) and reads == []
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9]], s[[0, 1]])
+    w.close()
+
+
+def test_a_job_falls_back_to_the_loading_thread_when_no_verdict_buffer_is_free(tmp_path):
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(0, [0, 1])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True)
+    w.async_loads.inline.can_detach = lambda: False
+    ran = []
+    run = w.async_loads._run
+    w.async_loads._run = lambda *a, **kw: (ran.append(1), run(*a, **kw))[1]
+    run_step(w, StepPlan(2, async_step=3, async_loads=[LoadChunk("a", bytes([0]) * 32, 0, (14, 15))]))
+    w.flush()
+    assert w.received_requests() == ({"a"}, set(), set()) and ran == [1]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[14, 15]], s[[0, 1]])
+    w.close()
+
+
+def test_a_step_thread_job_never_makes_the_host_wait_and_is_reported_only_once_landed(tmp_path):
+    """On CUDA: launched while the compute stream is still busy, the job returns at once (the
+    host never waited for the device), is not reported while its stream has not reached its
+    event, and is reported at the first poll after."""
+    if DEV != "cuda":
+        pytest.skip("streams and events exist only on CUDA")
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(0, [0, 1])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True)
+    w.warm_up()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the compute stream
+    run_step(w, StepPlan(2, async_step=3, async_loads=[LoadChunk("a", bytes([0]) * 32, 0, (14, 15))]))
+    assert not torch.cuda.current_stream().query()  # the launch returned while the forward's stream was busy
+    assert w.received_requests() == (set(), set(), set()) and w.async_loads.pending == 1
+    torch.cuda.synchronize()
+    assert w.received_requests() == ({"a"}, set(), set())
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[14, 15]], s[[0, 1]])
     w.close()
 
 

@@ -124,13 +124,16 @@ def test_preemption_gives_identical_tokens(tiny_model, tmp_path, reference):
     assert got == want
 
 
-@pytest.mark.parametrize("async_loads", [False, True], ids=["layerwise", "async"])
+@pytest.mark.parametrize("async_loads", [False, True, "mapped"], ids=["layerwise", "async", "async_mapped"])
 def test_corrupt_chunk_is_recomputed_and_counted(tiny_model, tmp_path, reference, async_loads):
     """Layer-wise (in the step) and asynchronous (vLLM holds the request until received, the
-    default where vLLM schedules asynchronously): a chunk failing its checksum is recomputed."""
+    default where vLLM schedules asynchronously): a chunk failing its checksum is recomputed.
+    "mapped": the slabs mapped as on a RAM root, so the asynchronous load is launched from the
+    step's own thread and polled (async_launch "auto")."""
     p = prompt(3, 300)
     root = tmp_path / "kv"
-    kvt = kv_config(root, async_loads=async_loads)
+    extra = {"mapped_loads": True} if async_loads == "mapped" else {}
+    kvt = kv_config(root, async_loads=bool(async_loads), **extra)
     child_run(tiny_model, kvt, [p])
     slab = next(root.rglob("slab-*.bin"))
     data = bytearray(slab.read_bytes())

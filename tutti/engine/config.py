@@ -191,6 +191,7 @@ def _size_or_keyword(name: str, value: Any, minimum: int, expected: str) -> Any:
 
 DEFAULT_WRITE_WINDOW = 64 << 20  # write_window_bytes "auto" on a drive: 2 chunks of an 8B model
 MAPPED_STORE_COPIES = ("auto", "dma", "dma_chunk", "host")
+ASYNC_LAUNCHES = ("auto", "step", "thread")
 READS_FIRST_BYTES = 4 << 20  # reads_first: the writer's window (and write size) while hits' reads wait
 
 @dataclass(frozen=True)
@@ -226,6 +227,15 @@ class EngineConfig:
     # there a step is scheduled before the last one's output is read, so a layer-wise load that
     # fails its checksum would already have a token sampled from its KV in flight.
     async_loads: Any = "auto"
+    # Who launches an asynchronous load from a mapped RAM root: "step" = the step's own thread,
+    # when vLLM binds the step (a few launches on a side stream, nothing waited for; the verdicts
+    # are read once the load's event says it landed), "thread" = tutti's asynchronous-load thread.
+    # "auto" = "step" where it can (a mapped root, one KV cache group, no secret; the rest stays
+    # on the thread, which waits for reads). Why: a serving trace (docs/results/serve.md, run 14)
+    # showed the thread's Python between launches, beside vLLM's eager attention, stretching the
+    # steps that prefill from 16-17 ms to 24-33 ms of host time, and each job from about 2 ms of
+    # CUDA calls to 16-25 ms: the two threads took turns at the GIL.
+    async_launch: str = "auto"
     # Where hits load in the step (async_loads false): the bytes one step may load layer-wise; a
     # hit past it loads asynchronously instead, so no step waits on a load it cannot hide (vLLM
     # 0.33's connector calls its knob sync_load_budget_bytes). "auto" = what the measured read
@@ -435,6 +445,12 @@ class EngineConfig:
             kw["gil_switch_interval_s"] = v
         if raw.get("idle_load_wait_s") == "off":
             raw["idle_load_wait_s"] = 0
+        if "async_launch" in raw:
+            v = raw.pop("async_launch")
+            if v not in ASYNC_LAUNCHES:
+                raise ConfigError(f"async_launch={v!r}: expected one of {list(ASYNC_LAUNCHES)} (who launches an "
+                                  "asynchronous load from a mapped RAM root; \"auto\" = \"step\" where it can)")
+            kw["async_launch"] = v
         if "mapped_store_copy" in raw:
             v = raw.pop("mapped_store_copy")
             if v not in MAPPED_STORE_COPIES:

@@ -46,6 +46,28 @@ class _Item:
     mapped: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk index -> its segment in a mapped slab
 
 
+DETACHED_JOBS = 32  # detached jobs in flight at once (each keeps a pinned verdict buffer); more wait on the thread
+
+
+@dataclass
+class Detached:
+    """One job launched by `launch_detached`, in flight until its last event fires."""
+
+    loads: list[LoadChunk]
+    sums: list[tuple[int, ...]]
+    bad_host: torch.Tensor | None  # its verdicts, copied back by the job's last copy
+    landed: object  # CUDA event after that copy (None on the CPU: done at launch)
+    started: object  # CUDA event before its first copy (timing)
+    pool_buffer: torch.Tensor | None  # the pinned buffer bad_host views, back to the pool once resolved
+    nbytes: int
+    host_seconds: float
+    keys: set[bytes]  # failed at launch (unmapped slabs)
+    blocks: set[int]
+
+    def ready(self) -> bool:
+        return self.landed is None or self.landed.query()
+
+
 class LoadPipeline:
     def __init__(self, ctx: WorkerContext, ring: StagingRing, journal: JournalView, counters: Counters,
                  forget: Callable[[LoadChunk], None], foreign=None) -> None:
@@ -83,10 +105,15 @@ class LoadPipeline:
         # a layer-wise load's read-rate sample: bytes done when the forward last stalled on a read
         self._stall_bytes, self._stall_end = 0, None
         self._mapped_bytes = 0  # copied chunk-major from mapped slabs (one DMA, no host wait)
+        self._pool_free: list[torch.Tensor] = []  # detached jobs' pinned verdict buffers not in use
+        self._pool_sized, self._pool_size = False, 0
+        self._pool_taken: torch.Tensor | None = None
         self.trace: list[tuple[str, int, float]] | None = None
 
     # ---------------------------------------------------------------- step
-    def start(self, loads: list[LoadChunk], *, layerwise: bool) -> None:
+    def start(self, loads: list[LoadChunk], *, layerwise: bool, file_path: bool = True) -> None:
+        """`file_path=False`: only chunks in mapped slabs load; the rest fail (vLLM recomputes
+        them), since reading them would make the caller wait (launch_detached)."""
         ctx = self.ctx
         self.resolve()  # the last step's verdicts, if nobody asked for them
         self._items, self._loads, self._sums = [], [], []
@@ -129,6 +156,12 @@ class LoadPipeline:
         # RAM roots: the chunks whose slabs are mapped, whole (tutti.engine.mapped_loads; one block
         # list for all layers, so not for hybrid models); the rest go through the file path
         mapped = load_mapped(self) if self.maps and ctx.num_groups == 1 else set()
+        if not file_path:
+            for i, ld in enumerate(self._loads):
+                if i not in mapped:
+                    self._fail(ld, "its slab is not mapped (shrunk, or not yet mapped): loads launched from the "
+                               "step's thread never read")
+            mapped = set(range(len(self._loads)))
         for layer in range(ctx.num_layers):
             # a sliding-window layer reads only the chunks with blocks inside the window at the hit's
             # end: the rest of its segments are neither read nor scattered (hybrid models)
@@ -251,10 +284,11 @@ class LoadPipeline:
         if self._items:
             self._pump(layer + self.ahead)
 
-    def finish(self) -> None:
+    def finish(self, *, detached: bool = False) -> None:
         """End of the step. Loads the forward pass did not wait for are failed, never served: a
         step whose per-layer hooks did not run (a CUDA graph replayed without them) computed
-        without their KV."""
+        without their KV. `detached` (launch_detached): the verdicts go to a buffer of the job's
+        own and nothing is counted yet (the job has not landed)."""
         if not self._loads:
             return
         unawaited = self._next_process < len(self._items) or self._mapped_pending
@@ -276,17 +310,20 @@ class LoadPipeline:
             rate_bytes, rate_s = self._mapped_bytes, self._waited
         else:  # every read was done before the forward needed it: no rate (faster than needed)
             rate_bytes, rate_s = 0, 0.0
-        self.counters.add(bytes_loaded=self._bytes, load_seconds=span, rate_bytes=rate_bytes, rate_seconds=rate_s)
-        self._bytes = 0
+        if not detached:
+            self.counters.add(bytes_loaded=self._bytes, load_seconds=span, rate_bytes=rate_bytes, rate_seconds=rate_s)
+            self._bytes = 0
         if self._bad is not None:
             if self.ctx.cuda:
                 with torch.cuda.stream(self.stream):
-                    self._bad_host = self._verdicts(self._bad.numel()).view(self._bad.shape)
+                    buf = self._detached_buffer(self._bad.numel()) if detached else self._verdicts(self._bad.numel())
+                    self._bad_host = buf.view(self._bad.shape)
                     self._bad_host.copy_(self._bad, non_blocking=True)
-                    # read by resolve(): a tutti thread (asynchronous loads) sleeps on it, the step's
-                    # own thread spins (its wait is on the way to the next step)
-                    self._verified = torch.cuda.Event(blocking=threading.current_thread().name.startswith("tutti-"))
-                    self._verified.record(self.stream)
+                    if not detached:  # a detached job's own event follows (launch_detached)
+                        # read by resolve(): a tutti thread (asynchronous loads) sleeps on it, the
+                        # step's own thread spins (its wait is on the way to the next step)
+                        self._verified = torch.cuda.Event(blocking=threading.current_thread().name.startswith("tutti-"))
+                        self._verified.record(self.stream)
             else:
                 self._bad_host = self._bad
         self._items = []
@@ -349,6 +386,10 @@ class LoadPipeline:
                 self._verified.synchronize()  # the load stream's last copy: done before the last layer ran
         bad, loads, sums = self._bad_host, self._loads, self._sums
         self._bad_host = self._bad = self._verified = None
+        self._judge(bad, loads, sums)
+
+    def _judge(self, bad: torch.Tensor, loads: list[LoadChunk], sums: list[tuple[int, ...]]) -> None:
+        """Fail (and journal free) every load with a mismatched layer in the host verdicts `bad`."""
         if not bool(bad.any()):
             return
         for i, layers in enumerate(bad.tolist()):
@@ -356,6 +397,82 @@ class LoadPipeline:
                 ld, first = loads[i], layers.index(True)
                 self._fail(ld, f"checksum mismatch in layer {first} (stored {sums[i][first]:#018x})")
                 self.forget(ld)
+
+    # ---------------------------------------------------------------- detached jobs
+    def launch_detached(self, loads: list[LoadChunk]) -> "Detached":
+        """Every chunk of `loads` queued on this pipeline's stream from the caller's thread, with
+        nothing waited for: copies from mapped slabs (a RAM root), verified and scattered, chunk
+        by chunk failing where its slab is not mapped. Returns the job's handle: `ready()` once it
+        landed, then `resolve_detached` reads its verdicts. For asynchronous loads launched from
+        the step's thread (EngineConfig.async_launch): no second thread takes turns at the GIL
+        with the forward pass. Several jobs may be in flight: one stream runs them in order."""
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        started = None
+        if ctx.cuda:
+            # blocks just handed to these requests may still be in use by work already queued
+            # on the compute stream (a freed request's last step): scatter only after it
+            self.stream.wait_stream(torch.cuda.current_stream(ctx.device))
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(self.stream)
+        self._pool_taken = None
+        with self._on_stream():
+            self.start(loads, layerwise=False, file_path=False)
+            self.finish(detached=True)
+            landed = None
+            if ctx.cuda:
+                landed = torch.cuda.Event(enable_timing=True)  # queried, never waited on
+                landed.record(self.stream)
+        job = Detached(loads=self._loads, sums=self._sums, bad_host=self._bad_host, landed=landed,
+                       started=started, pool_buffer=self._pool_taken, nbytes=self._bytes,
+                       host_seconds=time.perf_counter() - t0, keys=self._failed_keys, blocks=self._failed_blocks)
+        self._bad_host = self._bad = self._verified = self._pool_taken = None
+        self._loads, self._sums, self._items, self._bytes = [], [], [], 0
+        self._failed_keys, self._failed_blocks, self._failed_log = set(), set(), set()
+        return job
+
+    def resolve_detached(self, job: "Detached") -> tuple[set[bytes], set[int]]:
+        """(keys failed, the blocks they would have written) of a job that is `ready()`; counts
+        its bytes with the device's time for them (the read rate of a mapped root)."""
+        saved = self._failed_keys, self._failed_blocks, self._failed_log
+        self._failed_keys, self._failed_blocks, self._failed_log = job.keys, job.blocks, set(job.keys)
+        try:
+            if job.bad_host is not None:
+                self._judge(job.bad_host, job.loads, job.sums)
+        finally:
+            keys, blocks = self._failed_log, self._failed_blocks
+            self._failed_keys, self._failed_blocks, self._failed_log = saved
+            if job.pool_buffer is not None and job.pool_buffer.numel() >= self._pool_size:
+                self._pool_free.append(job.pool_buffer)
+                job.pool_buffer = None
+        if job.nbytes:
+            seconds = job.host_seconds
+            if job.started is not None and job.landed is not None:
+                seconds = max(seconds, job.started.elapsed_time(job.landed) / 1e3)
+            self.counters.add(bytes_loaded=job.nbytes, load_seconds=seconds, rate_bytes=job.nbytes,
+                              rate_seconds=seconds)
+        return keys, blocks
+
+    def can_detach(self) -> bool:
+        """A detached job can be launched now (a verdict buffer of its own is free)."""
+        return not self.ctx.cuda or bool(self._pool_free) or not self._pool_sized
+
+    def _detached_buffer(self, n: int) -> torch.Tensor:
+        """Pinned room for one detached job's verdicts, from a pool sized at start-up (warm_up):
+        a job in flight keeps its own until resolved."""
+        if not self._pool_sized or (self._pool_free and self._pool_free[-1].numel() < n):
+            self.size_detached_pool(n)  # at start-up (warm_up); later only past every earlier size
+        if not self._pool_free:
+            raise RuntimeError("tutti: no detached verdict buffer is free (can_detach() was not asked)")
+        self._pool_taken = self._pool_free.pop()
+        return self._pool_taken[:n]
+
+    def size_detached_pool(self, n: int, jobs: int = DETACHED_JOBS) -> None:
+        """`jobs` pinned verdict buffers of `n` entries (a job loading every block), at start-up;
+        buffers of jobs still in flight are dropped when they come back (a smaller size)."""
+        size = max(n, 4096)
+        self._pool_free = [torch.empty(size, dtype=torch.bool, pin_memory=self.ctx.cuda) for _ in range(jobs)]
+        self._pool_sized, self._pool_size = True, size
 
     def take_failed_keys(self) -> set[bytes]:
         out, self._failed_log = self._failed_log, set()

@@ -95,6 +95,25 @@ class StagingRing:
             self._cv.notify()
 
 
+class DeviceRing(StagingRing):
+    """Slots on the device only: for loads that copy from mapped slabs straight to the device
+    (no host staging, no reads). On the CPU, host memory stands in for the device."""
+
+    def __init__(self, nbytes: int, slot_bytes: int, device: torch.device | None = None) -> None:
+        cuda = device is not None and device.type == "cuda"
+        n = max(1, nbytes // slot_bytes)
+        buf = torch.empty(n * slot_bytes, dtype=torch.uint8, device=device if cuda else "cpu")
+        self.buffer = None if cuda else buf
+        self.slot_bytes = slot_bytes
+        self.device_buffer = buf if cuda else None
+        views = [buf[i * slot_bytes:(i + 1) * slot_bytes] for i in range(n)]
+        self.slots = [StagingSlot(i, i * slot_bytes, None if cuda else v, v if cuda else None)
+                      for i, v in enumerate(views)]
+        self._free = deque(range(n))
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+
+
 class RegionArena:
     """Equal regions of one buffer, handed out as runs of consecutive regions.
 

@@ -26,10 +26,16 @@ from tutti.engine.config import READS_FIRST_BYTES, EngineConfig
 from tutti.engine.context import Counters, JournalView, WorkerContext, log
 from tutti.engine.loads import LoadPipeline
 from tutti.engine.plan import LoadChunk, StepPlan, WorkerReport
-from tutti.engine.staging import RegionArena, StagingRing
+from tutti.engine.staging import DeviceRing, RegionArena, StagingRing
 from tutti.engine.stores import StorePipeline
 from tutti.engine.writer import Writer
 from tutti.io.queue import READ, IOQueue, IORequest, ReadsFirst, submit_all
+
+
+# a job launched from the step's thread (EngineConfig.async_launch) copies, verifies and scatters
+# this many chunks (at most these bytes) per group, in device memory held from start-up
+INLINE_GROUP_CHUNKS = 16
+INLINE_GROUP_BYTES = 512 << 20
 
 
 class WorkerPipeline:
@@ -89,8 +95,18 @@ class WorkerPipeline:
             from tutti.engine.async_loads import AsyncLoads
 
             aring = StagingRing(staging[sync_bytes:load_bytes], slot_bytes, self.ctx.device)
+            inline = None
+            if self._launches_async_on_step(cfg, store):
+                # device-only room for one job of up to INLINE_GROUP_BYTES (a 4k-token hit of an
+                # 8B model): one copy, one verify and one scatter launch each, where the thread's
+                # ring (a few chunks) took six of each
+                cb = self.ctx.chunk_bytes
+                group = max(1, min(INLINE_GROUP_CHUNKS, INLINE_GROUP_BYTES // cb)) * cb
+                inline = LoadPipeline(self.ctx, DeviceRing(-(-group // slot_bytes) * slot_bytes, slot_bytes,
+                                                           self.ctx.device),
+                                      self.journal, self.counters, self._forget, foreign)
             self.async_loads = AsyncLoads(LoadPipeline(self.ctx, aring, self.journal, self.counters, self._forget,
-                                                       foreign))
+                                                       foreign), inline)
         self.stores = StorePipeline(self.ctx, arena, self.journal, self.counters, self.writer)
         self._plan: StepPlan | None = None
         self._idle = False  # the bound step runs no forward pass (EngineConfig.idle_load_wait_s)
@@ -109,6 +125,13 @@ class WorkerPipeline:
         # to see the rolling load next to compute; bounded, off by default.
         self.trace: list[tuple[str, int, float]] | None = [] if os.environ.get("TUTTI_TRACE") else None
         self.loads.trace = self.trace
+
+    def _launches_async_on_step(self, cfg: EngineConfig, store) -> bool:
+        """EngineConfig.async_launch: the step's thread launches asynchronous loads where nothing
+        is read (every chunk copied from a mapped RAM slab), one block list serves every layer,
+        and no keyed tag must be computed on the host."""
+        return (cfg.async_launch != "thread" and bool(getattr(store, "maps_ram", False))
+                and self.ctx.num_groups == 1 and self.ctx.mac is None)
 
     # ================================================================ facts
     @property
@@ -242,6 +265,10 @@ class WorkerPipeline:
             stream = self.async_loads.stream
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self.async_loads.pipeline.warm_up(max_loads, bpc)
+            inline = self.async_loads.inline
+            if inline is not None:  # on its own stream (LoadPipeline._on_stream), from this thread
+                inline.warm_up(max_loads, bpc)
+                inline.size_detached_pool(max_loads * ctx.num_layers)
         if ctx.cuda:
             torch.cuda.synchronize(ctx.device)
         t1 = time.perf_counter()
