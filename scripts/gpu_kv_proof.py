@@ -110,6 +110,8 @@ def rpc_install(self) -> dict:
 
         w.start_step = start_step
         pipelines = [w.loads] + ([w.async_loads.pipeline] if w.async_loads is not None else [])
+        if w.async_loads is not None and w.async_loads.inline is not None:  # launched from the step's thread
+            pipelines.append(w.async_loads.inline)
         for lp in pipelines:
             def _fail(self_, ld, why, _orig=lp._fail):
                 w._probe["failed"].append((ld.key.hex()[:16], why[:120]))
@@ -290,11 +292,18 @@ def rpc_set(self, what: str, value) -> bool:
             w.loads.finish = lambda: None
             if w.async_loads is not None:  # received at once, nothing read or written
                 w.async_loads._run = lambda *args, **kw: (set(), set())
+                if w.async_loads.inline is not None:  # jobs launched from the step's thread: the same
+                    from tutti.engine.loads import Detached
+
+                    w.async_loads.inline.launch_detached = lambda loads: Detached(
+                        [], [], None, None, None, None, 0, 0.0, set(), set())
         else:
             for name in ("start", "wait_layer", "finish"):
                 w.loads.__dict__.pop(name, None)
             if w.async_loads is not None:
                 w.async_loads.__dict__.pop("_run", None)
+                if w.async_loads.inline is not None:
+                    w.async_loads.inline.__dict__.pop("launch_detached", None)
     return True
 
 
