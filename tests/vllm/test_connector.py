@@ -135,10 +135,13 @@ def test_corrupt_chunk_is_recomputed_and_counted(tiny_model, tmp_path, reference
     extra = {"mapped_loads": True} if async_loads == "mapped" else {}
     kvt = kv_config(root, async_loads=bool(async_loads), **extra)
     child_run(tiny_model, kvt, [p])
-    slab = next(root.rglob("slab-*.bin"))
+    # 4 chunks x 2 layers, one segment each; a mapped root makes every slab of its capacity at
+    # start (sparse, as long as its slots): layer 1 of the first slot holding a chunk
+    slab = next(s for s in sorted(root.rglob("slab-*.bin")) if s.stat().st_blocks)
     data = bytearray(slab.read_bytes())
-    seg = len(data) // 4 // 2  # 4 chunks x 2 layers in slots 0..3 (one segment each)
-    data[seg + 1000] ^= 0xFF  # slot 0, layer 1
+    seg = json.loads((slab.parent / "manifest.json").read_text())["segment_bytes"]
+    first = next(i for i in range(0, len(data), 2 * seg) if any(data[i:i + 2 * seg]))
+    data[first + seg + 1000] ^= 0xFF
     slab.write_bytes(bytes(data))
     want = reference([p])[0]
     res, stats = child_run(tiny_model, kvt, [p])
