@@ -300,6 +300,15 @@ def test_mapped_store_copy_is_one_of_its_names():
             EngineConfig.from_dict(base(mapped_store_copy=bad))
 
 
+def test_async_launch_is_one_of_its_names():
+    assert EngineConfig.from_dict(base()).async_launch == "auto"
+    for v in ("auto", "step", "thread"):
+        assert EngineConfig.from_dict(base(async_launch=v)).async_launch == v
+    for bad in ("Thread", "", False, None, ["step"]):
+        with pytest.raises(ValueError, match=r"async_launch=.*expected one of \['auto', 'step', 'thread'\]"):
+            EngineConfig.from_dict(base(async_launch=bad))
+
+
 def test_idle_load_wait_is_seconds_or_off():
     assert EngineConfig.from_dict(base()).idle_load_wait_s == 0.002  # the default
     assert EngineConfig.from_dict(base(idle_load_wait_s=0.002)).idle_load_wait_s == 0.002

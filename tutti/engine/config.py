@@ -445,18 +445,16 @@ class EngineConfig:
             kw["gil_switch_interval_s"] = v
         if raw.get("idle_load_wait_s") == "off":
             raw["idle_load_wait_s"] = 0
-        if "async_launch" in raw:
-            v = raw.pop("async_launch")
-            if v not in ASYNC_LAUNCHES:
-                raise ConfigError(f"async_launch={v!r}: expected one of {list(ASYNC_LAUNCHES)} (who launches an "
-                                  "asynchronous load from a mapped RAM root; \"auto\" = \"step\" where it can)")
-            kw["async_launch"] = v
-        if "mapped_store_copy" in raw:
-            v = raw.pop("mapped_store_copy")
-            if v not in MAPPED_STORE_COPIES:
-                raise ConfigError(f"mapped_store_copy={v!r}: expected one of {list(MAPPED_STORE_COPIES)} (how a "
-                                  "store reaches a mapped RAM root's slot; \"auto\" = \"dma_chunk\")")
-            kw["mapped_store_copy"] = v
+        for name, choices, what in (
+                ("async_launch", ASYNC_LAUNCHES, "who launches an asynchronous load from a mapped RAM root; "
+                                                 "\"auto\" = \"step\" where it can"),
+                ("mapped_store_copy", MAPPED_STORE_COPIES, "how a store reaches a mapped RAM root's slot; "
+                                                           "\"auto\" = \"dma_chunk\"")):
+            if name in raw:
+                v = raw.pop(name)
+                if v not in choices:
+                    raise ConfigError(f"{name}={v!r}: expected one of {list(choices)} ({what})")
+                kw[name] = v
         for name in ("verify_checksums", "store_decode"):
             if name in raw:
                 v = raw.pop(name)

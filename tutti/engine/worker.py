@@ -130,8 +130,11 @@ class WorkerPipeline:
         """EngineConfig.async_launch: the step's thread launches asynchronous loads where nothing
         is read (every chunk copied from a mapped RAM slab), one block list serves every layer,
         and no keyed tag must be computed on the host."""
-        return (cfg.async_launch != "thread" and bool(getattr(store, "maps_ram", False))
-                and self.ctx.num_groups == 1 and self.ctx.mac is None)
+        can = bool(getattr(store, "maps_ram", False)) and self.ctx.num_groups == 1 and self.ctx.mac is None
+        if cfg.async_launch == "step" and not can:
+            log.warning("tutti: async_launch=\"step\" needs a mapped RAM root, one KV cache group and no secret; "
+                        "asynchronous loads run on tutti's loading thread instead (it waits for reads)")
+        return can and cfg.async_launch != "thread"
 
     # ================================================================ facts
     @property
