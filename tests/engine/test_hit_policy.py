@@ -6,7 +6,7 @@ import pytest
 
 from tutti.engine.hit_policy import (Always, CostModel, HitQuery, Never, RateMeter, Rates, attention_weight,
                                      candidates, chunk_floor, get_policy, prefill_work, register_policy)
-from tutti.engine.planner import Planner
+from tutti.engine.planner import PROBE_UNDER_STEP, Planner
 from tutti.engine.plan import WorkerReport
 
 B8 = 131072  # bytes a token of the 8B geometry (bf16, 32 layers, 8 KV heads of 128)
@@ -241,7 +241,8 @@ def test_the_start_up_probe_gives_a_fresh_planner_its_read_rate():
     assert p.meter.load_rate is None and p.match("a", toks + [1], 0) == 192
     p.finished("a")
     p.on_report(WorkerReport(probe_bytes=2 * 10**8, probe_seconds=0.2, workers=2))  # 0.1 GB in 0.2 s each
-    assert p.meter.load_rate == pytest.approx(0.5e9) and p.stats.bytes_loaded == 0
+    # read with the GPU idle: taken as 0.8 of it under a step (PROBE_UNDER_STEP)
+    assert p.meter.load_rate == pytest.approx(0.5e9 * PROBE_UNDER_STEP) and p.stats.bytes_loaded == 0
     assert p.match("b", toks + [2], 0) == 0
 
 
@@ -454,3 +455,19 @@ def test_the_meter_counts_a_steps_work_so_long_prompts_do_not_read_as_a_slow_gpu
     plan = p.build_step({"a": 8192, "b": 1}, {"a": 16384, "b": 30000})
     expected = 8192 * (1 + W8 * (16384 + 8191 / 2)) + 1 * (1 + W8 * 30000)
     assert p.meter._pending[plan.step][3] == pytest.approx(expected)
+
+
+def test_the_probe_rate_discounted_chooses_the_first_hit_as_the_measured_rate_would():
+    """load_or_compute run 7 (H200, 32k hit, a step of 32768): the probe read 2.55 GB/s with the
+    GPU idle, reads under the step ran at 2.14; the first hit chose from the probe and loaded
+    15,104 tokens (0.84x of recompute), the next from the measured rate 13,568 (0.73x). Taken at
+    PROBE_UNDER_STEP of itself, the probe's choice is closer to the measured rate's, and in the
+    model under the rate the disk really read it is the faster one."""
+    prefill = 42893.0  # token-equivalents/s at zero context, measured by the run's 4k prompt
+    query = HitQuery(**{**q(32512, 32768, asynchronous=False, step=32768).__dict__, "attention_weight": W8})
+    raw = CostModel().decide(query, Rates(2.55e9, prefill))
+    discounted = CostModel().decide(query, Rates(2.55e9 * PROBE_UNDER_STEP, prefill))
+    measured = CostModel().decide(query, Rates(2.14e9, prefill))
+    assert raw > discounted and abs(discounted - measured) < abs(raw - measured)
+    true = Rates(2.14e9, prefill)
+    assert CostModel.time(query, true, discounted) < CostModel.time(query, true, raw)

@@ -24,6 +24,13 @@ from tutti.engine.plan import NULL_BLOCK, LoadChunk, StepPlan, StoreChunk, Worke
 
 log = logging.getLogger("tutti.engine")
 
+# What the start-up probe's read rate (the disk alone, the GPU idle) is taken to be under a step:
+# reads under a forward pass were slower on the H200's virtio disk in every run that measured
+# both (load_or_compute.md: probe 2.35 / 1.84 / 2.55 GB/s, under a step 1.56 / 1.5 / 2.14, i.e.
+# 0.66-0.84x); the first hit after start chose from the probe alone and loaded too much (run 7:
+# 0.84x of recompute, the next hit with a measured rate 0.73x). Loads' own samples replace it.
+PROBE_UNDER_STEP = 0.8
+
 
 @dataclass
 class PlannerStats:
@@ -595,7 +602,7 @@ class Planner:
         for step in report.steps_done:  # the step's output is here: it is done (the meter's step times)
             self.meter.on_done(step)
         if report.probe_bytes and report.workers:  # the start-up probe: per worker, as loads are
-            self.meter.on_loads(report.probe_bytes // report.workers, report.probe_seconds)
+            self.meter.on_loads(report.probe_bytes // report.workers, report.probe_seconds / PROBE_UNDER_STEP)
         for t in report.store_failed:
             tk = self._tickets.pop(t, None)
             if tk is not None and self.index.abort(tk.key):
