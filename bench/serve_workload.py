@@ -397,18 +397,20 @@ def profile_table(results: list[dict]) -> str:
         for p in r.get("profile") or []:
             c, cp, tk = p.get("compute", {}), p.get("copies", {}), p.get("tutti_kernels", {})
             gs = p.get("gpu_steps", {})
-            dec, mix = gs.get("decode", {}), gs.get("prefill+decode", {})
+            dec, mix, bt = gs.get("decode", {}), gs.get("prefill+decode", {}), p.get("batch", {})
             rows.append(f"| {r['case']} | {p.get('window_ms', '-')} | {c.get('busy_fraction', '-')} | "
                         f"{c.get('idle_ms', '-')} | {c.get('gaps_over_1000us', {}).get('n', '-')} / "
                         f"{c.get('gaps_over_1000us', {}).get('ms', '-')} | {tk.get('ms', '-')} | "
                         f"{cp.get('HtoD', {}).get('ms', 0)} / {cp.get('DtoH', {}).get('ms', 0)} | "
                         f"{dec.get('n', '-')} / {dec.get('mean_ms', '-')} / {dec.get('busy_fraction', '-')} | "
-                        f"{mix.get('n', '-')} / {mix.get('mean_ms', '-')} / {mix.get('busy_fraction', '-')} |")
+                        f"{mix.get('n', '-')} / {mix.get('mean_ms', '-')} / {mix.get('busy_fraction', '-')} | "
+                        f"{bt.get('running_mean', '-')} / {bt.get('decode_tokens_per_ms', '-')} |")
     if not rows:
         return ""
     return ("\n\n| case (trace) | GPU window ms | compute stream busy | its idle ms | idle gaps > 1 ms (n / ms) | "
             "tutti kernels ms | copies HtoD / DtoH ms | decode steps (n / mean ms / busy) | "
-            "steps that prefill (n / mean ms / busy) |\n|---|---|---|---|---|---|---|---|---|\n"
+            "steps that prefill (n / mean ms / busy) | requests in a step (mean) / tokens decoded per ms |"
+            "\n|---|---|---|---|---|---|---|---|---|---|\n"
             + "\n".join(rows))
 
 

@@ -20,6 +20,7 @@ import collections
 import gzip
 import json
 import os
+import re
 
 TUTTI_KERNELS = ("_paged_copy_kernel", "_checksum_kernel")  # tutti/kernels: gather/scatter, checksums
 GAP_US = (50.0, 1000.0)  # compute-stream idle gaps counted above these
@@ -30,6 +31,32 @@ def load_events(path: str) -> list[dict]:
     with opener(path, "rt", encoding="utf-8", errors="replace") as f:
         data = json.load(f)
     return data.get("traceEvents", []) if isinstance(data, dict) else data
+
+
+STEP_NAME = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+
+
+def batch_summary(gsteps: list[dict]) -> dict:
+    """What the steps carried: requests running per step (weighted by each step's time on the
+    GPU), prompts prefilled and tokens decoded per ms of steps. Why: two servers whose steps are
+    equally long and busy still serve at different rates when one holds fewer requests in its
+    batch (the rest wait outside it, e.g. for asynchronous loads): serve.md, run 16."""
+    span = running = 0.0
+    prefills = prefill_tokens = decoded = 0
+    for st in gsteps:
+        m = STEP_NAME.match(str(st.get("name", "")))
+        if not m:
+            continue
+        n_ctx, ctx_tokens, n_gen = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        span += st["dur"]
+        running += (n_ctx + n_gen) * st["dur"]
+        prefills += n_ctx
+        prefill_tokens += ctx_tokens
+        decoded += n_gen
+    if not span:
+        return {}
+    return {"running_mean": round(running / span, 3), "prefill_requests": prefills, "prefill_tokens": prefill_tokens,
+            "decode_tokens": decoded, "decode_tokens_per_ms": round(decoded / (span / 1e3), 4)}
 
 
 def summarize(events: list[dict]) -> dict:
@@ -130,6 +157,7 @@ def summarize(events: list[dict]) -> dict:
         out["gpu_steps"] = {k: {"n": v["n"], "mean_ms": round(v["span_us"] / v["n"] / 1e3, 3),
                                 "busy_fraction": round(v["busy_us"] / v["span_us"], 4) if v["span_us"] else None}
                             for k, v in kinds.items()}
+        out["batch"] = batch_summary(gsteps)
     steps = [e for e in spans if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("execute_")]
     if steps:
         durs = sorted(e["dur"] for e in steps)

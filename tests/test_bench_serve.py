@@ -99,4 +99,22 @@ def test_a_profiler_trace_is_summarised_by_stream_gap_and_kernel(tmp_path):
     assert s["copies"]["HtoD"] == {"n": 1, "ms": 0.5, "GB": 2.0}
     assert s["gpu_steps"]["decode"] == {"n": 1, "mean_ms": 0.25, "busy_fraction": 0.8}  # 200 of 250 us
     assert s["gpu_steps"]["prefill+decode"] == {"n": 1, "mean_ms": 0.4, "busy_fraction": 0.25}  # 100 of 400 us
+    # two requests in each step (2 decoding; 1 prefilling 128 tokens + 1 decoding): 3 tokens in 0.65 ms
+    assert s["batch"] == {"running_mean": 2.0, "prefill_requests": 1, "prefill_tokens": 128, "decode_tokens": 3,
+                          "decode_tokens_per_ms": round(3 / 0.65, 4)}
     assert ts.find_traces(str(tmp_path)) == [str(path)]
+
+
+def test_the_profile_table_puts_each_servers_trace_on_a_row():
+    import serve_workload as sw
+
+    prof = {"window_ms": 1772.4, "compute": {"busy_fraction": 0.82, "idle_ms": 321.9,
+                                             "gaps_over_1000us": {"n": 42, "ms": 127.8}},
+            "tutti_kernels": {"ms": 9.3}, "copies": {"HtoD": {"ms": 163.7}, "DtoH": {"ms": 35.2}},
+            "gpu_steps": {"decode": {"n": 192, "mean_ms": 6.576, "busy_fraction": 0.85},
+                          "prefill+decode": {"n": 20, "mean_ms": 30.744, "busy_fraction": 0.71}},
+            "batch": {"running_mean": 6.479, "decode_tokens_per_ms": 0.7793}}
+    table = sw.profile_table([{"case": "tutti_shm", "profile": [prof]}, {"case": "none"}])
+    header, rule, row = table.strip().splitlines()
+    assert header.count("|") == rule.count("|") == row.count("|") == 11
+    assert row.startswith("| tutti_shm | 1772.4 | 0.82 |") and row.endswith("| 6.479 / 0.7793 |")
