@@ -1348,3 +1348,29 @@ def test_a_layer_wise_load_that_raises_fails_its_chunks_never_the_step(tmp_path,
     for s, d in zip(src, dst):
         assert torch.equal(d[[20, 21]], s[[0, 1]])
     w.close()
+
+
+def test_a_step_thread_job_that_raises_fails_its_request_and_keeps_its_verdict_buffer(tmp_path):
+    """A job launched from the step's thread that raises (a bug) fails its request with every block
+    it would have written, gives its verdict buffer back, and the next job runs as ever."""
+    store_chunks(tmp_path, make_caches(0), [(0, [0, 1])])
+    w = worker(tmp_path, make_caches(1), mapped_loads=True, async_loads=True)
+    w.warm_up()
+    inline = w.async_loads.inline
+    free = len(inline._pool_free)
+    finish = inline.finish
+
+    def boom(*, detached=False):
+        finish(detached=detached)
+        raise RuntimeError("injected")
+
+    inline.finish = boom
+    run_step(w, StepPlan(2, async_step=3, async_loads=[LoadChunk("a", bytes([0]) * 32, 0, (14, 15))]))
+    w.flush()
+    assert w.received_requests() == (set(), {"a"}, {14, 15})
+    assert len(inline._pool_free) == free
+    del inline.finish
+    run_step(w, StepPlan(4, async_step=5, async_loads=[LoadChunk("b", bytes([0]) * 32, 0, (20, 21))]))
+    w.flush()
+    assert w.received_requests() == ({"b"}, set(), set())
+    w.close()

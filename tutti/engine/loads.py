@@ -416,13 +416,19 @@ class LoadPipeline:
             started = torch.cuda.Event(enable_timing=True)
             started.record(self.stream)
         self._pool_taken = None
-        with self._on_stream():
-            self.start(loads, layerwise=False, file_path=False)
-            self.finish(detached=True)
-            landed = None
-            if ctx.cuda:
-                landed = torch.cuda.Event(enable_timing=True)  # queried, never waited on
-                landed.record(self.stream)
+        try:
+            with self._on_stream():
+                self.start(loads, layerwise=False, file_path=False)
+                self.finish(detached=True)
+                landed = None
+                if ctx.cuda:
+                    landed = torch.cuda.Event(enable_timing=True)  # queried, never waited on
+                    landed.record(self.stream)
+        except BaseException:
+            if self._pool_taken is not None:  # the caller abandons the job: its buffer goes back
+                self._pool_free.append(self._pool_taken)  # (a later job's copy into it is ordered after, on this stream)
+                self._pool_taken = None
+            raise
         job = Detached(loads=self._loads, sums=self._sums, bad_host=self._bad_host, landed=landed,
                        started=started, pool_buffer=self._pool_taken, nbytes=self._bytes,
                        host_seconds=time.perf_counter() - t0, keys=self._failed_keys, blocks=self._failed_blocks)
