@@ -645,9 +645,9 @@ def test_async_loads_are_bit_exact_and_fail_block_by_block(tmp_path, mapped):
     w.counters.add = lambda **kw: (adds.append(dict(kw)), add(**kw))[1]
     loads = [LoadChunk("a", bytes([0]) * 32, 0, (14, 15)), LoadChunk("b", bytes([1]) * 32, 1, (16, 17)),
              LoadChunk("b", bytes([2]) * 32, 2, (18, 19), skip_blocks=1)]
-    # a mapped root's jobs are launched from the step's thread (async_launch "auto"), the file
-    # path's run on the loading thread
-    assert (w.async_loads.inline is not None) == mapped
+    # on CUDA a mapped root's jobs are launched from the step's thread (async_launch "auto"; on the
+    # CPU a launch would be the whole load), the file path's run on the loading thread
+    assert (w.async_loads.inline is not None) == (mapped and DEV == "cuda")
     run_step(w, StepPlan(2, async_step=3, async_loads=loads))
     w.flush()
     if DEV == "cuda":
@@ -682,7 +682,7 @@ def test_async_loads_launched_from_the_step_thread_report_each_job_with_its_own_
     store_chunks(tmp_path, src, [(0, [0, 1]), (1, [2, 3]), (2, [4, 5])])
     damage(tmp_path, 1, 2)
     dst = make_caches(1)
-    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True)
+    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True, async_launch="step")
     w.warm_up()
     assert w.async_loads.inline is not None
     w.async_loads._run = lambda *a, **kw: pytest.fail("the loading thread ran a mapped root's job")
@@ -718,7 +718,7 @@ def test_a_step_thread_job_fails_a_chunk_whose_slab_shrank_without_reading_it(tm
     src = make_caches(0)
     store_chunks(tmp_path, src, [(0, [0, 1]), (1, [2, 3])])
     dst = make_caches(1)
-    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True)
+    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True, async_launch="step")
     w.warm_up()
     os.truncate(next(tmp_path.rglob("slab-*.bin")), geometry().slot_bytes + geometry().segment_bytes)
     reads = []
@@ -737,7 +737,7 @@ def test_a_job_falls_back_to_the_loading_thread_when_no_verdict_buffer_is_free(t
     src = make_caches(0)
     store_chunks(tmp_path, src, [(0, [0, 1])])
     dst = make_caches(1)
-    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True)
+    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True, async_launch="step")
     w.async_loads.inline.can_detach = lambda: False
     ran = []
     run = w.async_loads._run
@@ -1354,7 +1354,7 @@ def test_a_step_thread_job_that_raises_fails_its_request_and_keeps_its_verdict_b
     """A job launched from the step's thread that raises (a bug) fails its request with every block
     it would have written, gives its verdict buffer back, and the next job runs as ever."""
     store_chunks(tmp_path, make_caches(0), [(0, [0, 1])])
-    w = worker(tmp_path, make_caches(1), mapped_loads=True, async_loads=True)
+    w = worker(tmp_path, make_caches(1), mapped_loads=True, async_loads=True, async_launch="step")
     w.warm_up()
     inline = w.async_loads.inline
     free = len(inline._pool_free)

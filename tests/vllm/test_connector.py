@@ -128,11 +128,11 @@ def test_preemption_gives_identical_tokens(tiny_model, tmp_path, reference):
 def test_corrupt_chunk_is_recomputed_and_counted(tiny_model, tmp_path, reference, async_loads):
     """Layer-wise (in the step) and asynchronous (vLLM holds the request until received, the
     default where vLLM schedules asynchronously): a chunk failing its checksum is recomputed.
-    "mapped": the slabs mapped as on a RAM root, so the asynchronous load is launched from the
-    step's own thread and polled (async_launch "auto")."""
+    "mapped": the slabs mapped as on a RAM root, the asynchronous load launched from the step's
+    own thread and polled (async_launch "step", what "auto" means on CUDA)."""
     p = prompt(3, 300)
     root = tmp_path / "kv"
-    extra = {"mapped_loads": True} if async_loads == "mapped" else {}
+    extra = {"mapped_loads": True, "async_launch": "step"} if async_loads == "mapped" else {}
     kvt = kv_config(root, async_loads=bool(async_loads), **extra)
     child_run(tiny_model, kvt, [p])
     # 4 chunks x 2 layers, one segment each; a mapped root makes every slab of its capacity at

@@ -230,8 +230,8 @@ class EngineConfig:
     # Who launches an asynchronous load from a mapped RAM root: "step" = the step's own thread,
     # when vLLM binds the step (a few launches on a side stream, nothing waited for; the verdicts
     # are read once the load's event says it landed), "thread" = tutti's asynchronous-load thread.
-    # "auto" = "step" where it can (a mapped root, one KV cache group, no secret; the rest stays
-    # on the thread, which waits for reads). Why: a serving trace (docs/results/serve.md, run 14)
+    # "auto" = "step" where it can (CUDA, a mapped root, one KV cache group, no secret; the rest
+    # stays on the thread, which waits for reads; on the CPU a launch is the load itself). Why: a serving trace (docs/results/serve.md, run 14)
     # showed the thread's Python between launches, beside vLLM's eager attention, stretching the
     # steps that prefill from 16-17 ms to 24-33 ms of host time, and each job from about 2 ms of
     # CUDA calls to 16-25 ms: the two threads took turns at the GIL.
