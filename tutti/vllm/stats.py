@@ -42,7 +42,8 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("bytes_loaded", "vllm:tutti_load_bytes", COUNTER,
               "Bytes loaded from tutti's store into the KV cache (all workers)."),
     MetricDef("load_seconds", "vllm:tutti_load_seconds", COUNTER,
-              "Seconds from the first read of a step's loads to its last layer landing, summed over workers."),
+              "Seconds from the first read of a step's loads to its last layer landing (a job launched from "
+              "vLLM's thread: the device's time for it), summed over workers."),
     MetricDef("bytes_stored", "vllm:tutti_store_bytes", COUNTER,
               "Bytes written to tutti's store from the KV cache (all workers)."),
     MetricDef("store_seconds", "vllm:tutti_store_seconds", COUNTER,
