@@ -72,7 +72,10 @@ def rpc_reseed(self, seed: int, recipe: str = "plain") -> int:
 
     model = self.model_runner.model
     hidden = self.vllm_config.model_config.get_hidden_size()
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    # drawn where each weight lives, with a generator per device seeded alike: on the H200 a CPU
+    # generator took most of a minute for an 8B model and longer than a load-or-compute phase's
+    # time for the 70B-class layer; a seeded CUDA generator is as deterministic across processes
+    gens: dict = {}
     n = 0
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
@@ -87,7 +90,10 @@ def rpc_reseed(self, seed: int, recipe: str = "plain") -> int:
                 std = 2.26 / math.sqrt(hidden)
             elif recipe == "sharp" and ("o_proj" in name or "v_proj" in name):
                 std = 5.66 / math.sqrt(hidden)
-            p.copy_((torch.randn(p.shape, generator=g) * std).to(p.dtype))
+            g = gens.get(p.device)
+            if g is None:
+                g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            p.copy_((torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32) * std).to(p.dtype))
             n += 1
     return n
 
