@@ -204,6 +204,18 @@ def test_demo_rejects_bad_arguments(tmp_path, capsys):
 
 
 # ---- bench --------------------------------------------------------------------------------------
+def test_bench_options_after_the_kind_are_tuttis_and_pytests_come_after_two_dashes():
+    """As the README writes it: `tutti bench io --full --no-compare -- -k store` (an argparse
+    REMAINDER used to hand --full and --no-compare to pytest)."""
+    ap = cli.build_parser()
+    args = cli.parse_cli(ap, ["bench", "io", "--full", "--no-compare", "--", "-k", "store", "--", "x"])
+    assert (args.kind, args.full, args.no_compare, args.pytest_args) == ("io", True, True, ["-k", "store", "--", "x"])
+    args = cli.parse_cli(ap, ["bench", "policy"])
+    assert (args.kind, args.full, args.no_compare, args.pytest_args) == ("policy", False, False, [])
+    with pytest.raises(SystemExit):
+        cli.parse_cli(ap, ["bench", "io", "-k", "store"])  # pytest's arguments only after '--'
+
+
 def test_bench_command_saves_and_compares(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "repo_root", lambda: tmp_path)
     (tmp_path / "bench").mkdir()

@@ -27,10 +27,11 @@ from tutti.storetools import (  # the store commands live there
 )
 
 # ---- bench -------------------------------------------------------------------------------------
-BENCH_FILES = {"kernels": "test_kernels_bench.py", "io": "test_io_bench.py", "tier": "test_tier_bench.py"}
+BENCH_FILES = {"kernels": "test_kernels_bench.py", "io": "test_io_bench.py", "tier": "test_tier_bench.py",
+               "policy": "test_policy_bench.py"}
 #: Small sizes for a CPU box; `--full` leaves the suites' own defaults.
 BENCH_SMALL_ENV = {"io": {"TUTTI_IO_BENCH_BYTES": str(64 << 20), "TUTTI_IO_BENCH_ROUNDS": "2"},
-                   "kernels": {}, "tier": {}}
+                   "kernels": {}, "tier": {}, "policy": {}}
 
 
 def repo_root() -> Path:
@@ -131,14 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("roots", nargs="+", metavar="ROOT")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    b = sub.add_parser("bench", help="run a pytest-benchmark suite (kernels, io or tier), saved and compared",
+    b = sub.add_parser("bench", help="run a pytest-benchmark suite (kernels, io, tier or policy), saved and compared",
                        description="Runs bench/test_<KIND>_bench.py with --benchmark-only, autosaves the run "
                                    "under .benchmarks/ and compares with the newest saved run of that suite. "
                                    "Arguments after '--' go to pytest.")
     b.add_argument("kind", choices=sorted(BENCH_FILES))
     b.add_argument("--full", action="store_true", help="the suite's own (large) sizes instead of small CPU ones")
     b.add_argument("--no-compare", action="store_true", help="do not compare with the last saved run")
-    b.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after '--'")
+    # pytest's own arguments go after '--' and are split off before argparse (parse_cli): an
+    # argparse REMAINDER here swallowed the options written after the kind (`tutti bench io --full`
+    # handed --full to pytest)
+    b.set_defaults(pytest_args=[])
     return ap
 
 
@@ -185,17 +189,29 @@ def _run(args: argparse.Namespace) -> int:
             print(f"tutti verify: error: {e}", file=sys.stderr)
         return EXIT_USAGE if res.errors else EXIT_FAILED if res.mismatches else EXIT_OK
     if args.command == "bench":
-        extra = [a for a in args.pytest_args if a != "--"] if args.pytest_args else []
+        extra = list(args.pytest_args or [])
         cmd, env = bench_command(args.kind, full=args.full, compare=not args.no_compare, extra=extra)
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
         return subprocess.call(cmd, env=env, cwd=str(repo_root()))
     raise CliError(f"unknown command {args.command!r}")
 
 
+def parse_cli(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`tutti bench KIND [options] -- PYTEST_ARGS`: what follows '--' is pytest's, untouched."""
+    rest: list[str] = []
+    if argv[:1] == ["bench"] and "--" in argv:
+        i = argv.index("--")
+        argv, rest = argv[:i], argv[i + 1:]
+    args = ap.parse_args(argv)
+    if rest:
+        args.pytest_args = rest
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status 0 success, 1 a check failed, 2 any other error (one line on stderr)."""
     ap = build_parser()
-    args = ap.parse_args(argv)  # usage errors: argparse prints them and exits 2
+    args = parse_cli(ap, sys.argv[1:] if argv is None else list(argv))  # usage errors: argparse exits 2
     if args.command is None:
         ap.print_help(sys.stderr)
         return EXIT_USAGE
