@@ -700,18 +700,6 @@ def test_async_loads_launched_from_the_step_thread_report_each_job_with_its_own_
     w.close()
 
 
-def test_async_launch_thread_keeps_mapped_jobs_on_the_loading_thread(tmp_path):
-    src = make_caches(0)
-    store_chunks(tmp_path, src, [(0, [0, 1])])
-    dst = make_caches(1)
-    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True, async_launch="thread")
-    assert w.store.maps_ram and w.async_loads.inline is None
-    run_step(w, StepPlan(2, async_step=3, async_loads=[LoadChunk("a", bytes([0]) * 32, 0, (14, 15))]))
-    w.flush()
-    assert w.received_requests() == ({"a"}, set(), set())
-    w.close()
-
-
 def test_a_step_thread_job_fails_a_chunk_whose_slab_shrank_without_reading_it(tmp_path):
     """Launched from the step's thread, a job never reads (a read would make the step wait): a
     chunk whose slab shrank under its mapping fails with its blocks, the others arrive."""
@@ -733,12 +721,16 @@ def test_a_step_thread_job_fails_a_chunk_whose_slab_shrank_without_reading_it(tm
     w.close()
 
 
-def test_a_job_falls_back_to_the_loading_thread_when_no_verdict_buffer_is_free(tmp_path):
+@pytest.mark.parametrize("why", ["async_launch_thread", "no_verdict_buffer_free"])
+def test_a_mapped_roots_job_runs_on_the_loading_thread_when_asked_or_when_no_verdict_buffer_is_free(tmp_path, why):
     src = make_caches(0)
     store_chunks(tmp_path, src, [(0, [0, 1])])
     dst = make_caches(1)
-    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True, async_launch="step")
-    w.async_loads.inline.can_detach = lambda: False
+    w = worker(tmp_path, dst, mapped_loads=True, async_loads=True,
+               async_launch="thread" if why == "async_launch_thread" else "step")
+    assert w.store.maps_ram and (w.async_loads.inline is None) == (why == "async_launch_thread")
+    if w.async_loads.inline is not None:
+        w.async_loads.inline.can_detach = lambda: False
     ran = []
     run = w.async_loads._run
     w.async_loads._run = lambda *a, **kw: (ran.append(1), run(*a, **kw))[1]
