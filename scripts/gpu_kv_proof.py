@@ -302,7 +302,8 @@ def rpc_set(self, what: str, value) -> bool:
                     from tutti.engine.loads import Detached
 
                     w.async_loads.inline.launch_detached = lambda loads: Detached(
-                        [], [], None, None, None, None, 0, 0.0, set(), set())
+                        loads=[], sums=[], bad_host=None, landed=None, started=None, pool_buffer=None, nbytes=0,
+                        host_seconds=0.0, keys=set(), blocks=set())
         else:
             for name in ("start", "wait_layer", "finish"):
                 w.loads.__dict__.pop(name, None)

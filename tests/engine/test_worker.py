@@ -140,6 +140,7 @@ def test_the_warm_up_runs_every_op_a_load_runs_and_changes_no_byte(tmp_path, map
         inline = w.async_loads.inline if asynchronous else None
         if inline is not None:  # jobs launched from the step's thread: a pinned buffer each, sized now
             assert inline._pool_free and all(b.numel() >= (B // 2) * L and b.is_pinned() for b in inline._pool_free)
+            assert inline._verdict_buf is None  # its verdicts go to the pool's buffers only
 
     def step(n, lds):
         run_step(w, StepPlan(n, async_step=n + 100, async_loads=lds) if asynchronous else StepPlan(n, loads=lds))

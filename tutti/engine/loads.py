@@ -328,19 +328,23 @@ class LoadPipeline:
                 self._bad_host = self._bad
         self._items = []
 
-    def warm_up(self, max_loads: int, blocks_per_chunk: int) -> None:
+    def warm_up(self, max_loads: int, blocks_per_chunk: int, *, detached: bool = False) -> None:
         """At start-up, every kernel a load launches beside the copy kernels: verdicts OR-ed in
         place and by index, rows picked by index, a partial chunk, one layer and every layer.
         CUDA loads a kernel's module on its first launch while holding the context's lock, and
         every thread's launch waits behind it: a serving trace (serve.md, run 14) caught the
         engine's thread stalled 25 ms behind this pipeline's first index_select. Block 0 of the
         caches is read and written back with its own bytes; the verdict buffer is sized for
-        `max_loads` chunks a step (pinned memory is not allocated while serving). Hybrid models
-        (several block lists a chunk) load layer by layer: their warm-up is the worker's."""
+        `max_loads` chunks a step (pinned memory is not allocated while serving); `detached`: a
+        pipeline whose jobs are launched by `launch_detached`, whose verdict buffers are the pool's
+        (sized here instead). Hybrid models (several block lists a chunk) load layer by layer: their
+        warm-up is the worker's."""
         ctx = self.ctx
         L, bpc = ctx.num_layers, blocks_per_chunk
         blocks = tuple([0] * bpc)
-        if ctx.cuda:
+        if detached:
+            self.size_detached_pool(max(1, max_loads) * L)
+        elif ctx.cuda:
             self._verdicts(max(1, max_loads) * L)
         if ctx.num_groups != 1:
             return
@@ -361,8 +365,9 @@ class LoadPipeline:
                 self.scatter(data, [0, 1, 2], every, [0, 1, 2], 0)  # rows by index, a partial chunk
                 self.scatter(data[:, :1], [0, 1, 2], [0], [0, 2], 0)  # one layer
                 host = self._bad
-                if ctx.cuda:
-                    host = self._verdicts(self._bad.numel()).view(self._bad.shape)
+                if ctx.cuda:  # the pool's buffers are as large, and none is in use at start-up
+                    room = self._pool_free[-1][:self._bad.numel()] if detached else self._verdicts(self._bad.numel())
+                    host = room.view(self._bad.shape)
                     host.copy_(self._bad, non_blocking=True)
             if ctx.cuda:
                 torch.cuda.synchronize(ctx.device)

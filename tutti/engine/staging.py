@@ -39,15 +39,19 @@ class StagingRing:
         if device is not None and device.type == "cuda":
             dev_buf = torch.empty(n * slot_bytes, dtype=torch.uint8, device=device)
         self.device_buffer = dev_buf  # every slot's device twin, in slot order
-        self.slots = [
+        self._set_slots([
             StagingSlot(i, i * slot_bytes, buffer[i * slot_bytes:(i + 1) * slot_bytes],
                         None if dev_buf is None else dev_buf[i * slot_bytes:(i + 1) * slot_bytes])
             for i in range(n)
-        ]
+        ])
+
+    def _set_slots(self, slots: list[StagingSlot]) -> None:
+        """The ring's slots, every one free."""
+        self.slots = slots
         # first in, first out: the slot released longest ago is handed out first, so its consumer's
         # kernels (the event try_acquire waits on) have had the most time to finish and the host
         # rarely waits in the forward's hooks (last in, first out handed back the one just released)
-        self._free: deque[int] = deque(range(n))
+        self._free: deque[int] = deque(range(len(slots)))
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
 
@@ -107,11 +111,8 @@ class DeviceRing(StagingRing):
         self.slot_bytes = slot_bytes
         self.device_buffer = buf if cuda else None
         views = [buf[i * slot_bytes:(i + 1) * slot_bytes] for i in range(n)]
-        self.slots = [StagingSlot(i, i * slot_bytes, None if cuda else v, v if cuda else None)
-                      for i, v in enumerate(views)]
-        self._free = deque(range(n))
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
+        self._set_slots([StagingSlot(i, i * slot_bytes, None if cuda else v, v if cuda else None)
+                         for i, v in enumerate(views)])
 
 
 class RegionArena:

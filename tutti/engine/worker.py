@@ -276,8 +276,7 @@ class WorkerPipeline:
                 self.async_loads.pipeline.warm_up(max_loads, bpc)
             inline = self.async_loads.inline
             if inline is not None:  # on its own stream (LoadPipeline._on_stream), from this thread
-                inline.warm_up(max_loads, bpc)
-                inline.size_detached_pool(max_loads * ctx.num_layers)
+                inline.warm_up(max_loads, bpc, detached=True)
         if ctx.cuda:
             torch.cuda.synchronize(ctx.device)
         t1 = time.perf_counter()
