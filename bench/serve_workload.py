@@ -7,8 +7,10 @@ its server alone, with `/metrics` scraped before and after, and prints one JSON 
 writes one table (JSON and Markdown) with every figure as a ratio to the no-connector case of the
 same run. `--sequential` starts each server only after the last one stopped.
 
-Cases: `none` (no connector), `offloading` (vLLM's OffloadingConnector, a CPU tier of
-`--capacity`), `tutti_shm` (a /dev/shm root of the same capacity), `tutti_disk` (a disk root),
+Cases: `none` (no connector), `none_gpu` (no connector, vLLM's GPU KV cache given `--capacity`
+instead of `--kv-cache-bytes`: every repeat is a prefix-cache hit of vLLM's own and nothing is
+loaded, the most any connector of that capacity could reach on the workload), `offloading`
+(vLLM's OffloadingConnector, a CPU tier of `--capacity`), `tutti_shm` (a /dev/shm root of the same capacity), `tutti_disk` (a disk root),
 and variants of `tutti_shm` that take one part away, each on a root of its own, to tell where a
 cost comes from (VARIANTS: `tutti_shm_stores_only`, `tutti_shm_noverify`, `tutti_shm_file`; each
 pins its own capacity, so run them with `--sequential` or a smaller `--capacity`).
@@ -150,13 +152,14 @@ def root_of(case: str, a) -> str:
 
 
 def connector(case: str, a) -> dict | None:
-    if case == "none":
+    if case in ("none", "none_gpu"):
         return None
     if case == "offloading":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": a.capacity_bytes}}
     if case not in ("tutti_shm", "tutti_disk") and case not in VARIANTS:
-        raise SystemExit(f"--cases: {case!r}: expected none, offloading, tutti_shm, tutti_disk or one of {sorted(VARIANTS)}")
+        raise SystemExit(f"--cases: {case!r}: expected none, none_gpu, offloading, tutti_shm, tutti_disk or one of "
+                         f"{sorted(VARIANTS)}")
     extra = {"root": root_of(case, a), "capacity_bytes": a.capacity_bytes, "chunk_tokens": a.chunk_tokens,
              **json.loads(a.tutti_extra), **VARIANTS.get(case, {})}
     return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
@@ -236,9 +239,12 @@ def server_cmd(a, model: str, kvt: dict | None, port: int, case: str = "") -> li
     if a.tiny:
         # vLLM's own cache held to 32 blocks (1024 tokens) so that repeats miss it, as --kv-cache-bytes does on the GPU
         cmd += ["--dtype", "float32", "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens",
-                str(a.max_len), "--num-gpu-blocks-override", "32"]
+                str(a.max_len)]
+        if case != "none_gpu":  # none_gpu: the whole CPU KV space (VLLM_CPU_KVCACHE_SPACE) holds every prefix
+            cmd += ["--num-gpu-blocks-override", "32"]
     else:
-        cmd += ["--load-format", "dummy", "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(a.kv_cache_bytes),
+        kv = a.capacity_bytes if case == "none_gpu" else a.kv_cache_bytes  # none_gpu: the tiers' capacity on the GPU
+        cmd += ["--load-format", "dummy", "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(kv),
                 "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
     if kvt is not None:
         cmd += ["--kv-transfer-config", json.dumps(kvt)]

@@ -41,6 +41,22 @@ def test_variants_get_roots_of_their_own_and_their_keys():
     assert sw.connector("none", A) is None
 
 
+def test_none_gpu_gives_vllms_own_cache_the_tiers_capacity_and_no_connector():
+    class A:
+        tiny, max_len, capacity_bytes, kv_cache_bytes, gpu_memory_utilization, profile_steps = \
+            False, 4288, 32 << 30, 8 << 30, 0.2, 0
+
+    def kv_bytes(case):
+        cmd = sw.server_cmd(A, "/m", sw.connector(case, A), 8100, case)
+        return int(cmd[cmd.index("--kv-cache-memory-bytes") + 1]), "--kv-transfer-config" in cmd
+
+    assert kv_bytes("none_gpu") == (32 << 30, False)  # the most a connector of that capacity could reach
+    assert kv_bytes("none") == (8 << 30, False)
+    A.tiny = True
+    tiny = sw.server_cmd(A, "/m", None, 8100, "none_gpu")
+    assert "--num-gpu-blocks-override" not in tiny and "--num-gpu-blocks-override" in sw.server_cmd(A, "/m", None, 8100, "none")
+
+
 def test_gil_samples_of_a_spawned_engine_core_are_its_own_process(tmp_path):
     """py-spy's collapsed stacks split frames at ';', and the engine core's command line (vLLM
     spawns it with `-c "from multiprocessing.spawn import spawn_main; spawn_main(...)"`) holds
