@@ -478,6 +478,7 @@ def main() -> None:
                     help="trace this many engine steps of each server with vLLM's torch profiler and put a summary "
                          "of its GPU streams in the results (bench/trace_summary.py); 0 (default): off")
     ap.add_argument("--profile-delay", type=int, default=300, help="engine steps into the client's run the trace starts")
+    ap.add_argument("--keep-roots", action="store_true", help="keep each tutti case's root after its case (removed by default)")
     ap.add_argument("--keep-traces", action="store_true", help="keep the traces (tens of MB each) beside the results")
     ap.add_argument("--py-spy", default="", help="sample who holds the GIL in each server while its client runs "
                     "(py-spy --gil; 'auto' finds it on PATH or in .gpu_pytest/bin); off by default")
@@ -523,8 +524,11 @@ def main() -> None:
             srv = servers.get(case) or Server(case, a, model, a.port + i)
             servers[case] = srv
             r = bench_case(srv, a, model, dataset)
-            if a.sequential:
-                srv.stop()
+            # a case's server and root go once its client is done: the later cases get the GPU's
+            # memory back, and disk roots of several cases need not fit the disk together
+            srv.stop()
+            if case.startswith("tutti") and not a.keep_roots:
+                shutil.rmtree(root_of(case, a), ignore_errors=True)
             r["server_log_tail"] = srv.log_tail()
             results.append(r)
             print("SERVE " + json.dumps({k: v for k, v in r.items() if k != "server_log_tail"}), flush=True)
