@@ -113,8 +113,10 @@ class _ChunkReader:
         self.lp, self.ctx, self.slots = lp, lp.ctx, slots
         cb = self.ctx.chunk_bytes
         per_ring = chunks_per_ring(lp)
-        self.rows = max(1, per_ring // 2)  # two halves where two fit: reads overlap the copies
-        n_halves = 2 if per_ring >= 2 else 1
+        # two halves where two fit: one's reads land while the other is copied (4 or 8 parts
+        # measured no better on a disk root: bench/whole_load_calls.py)
+        n_halves = max(1, min(2, per_ring))
+        self.rows = per_ring // n_halves
         self.halves = [_Half(h * self.rows * cb, self.rows) for h in range(n_halves)]
         for half in self.halves:  # the last step's copies out of the ring's slots under this half
             lo, hi = half.offset, half.offset + half.rows * cb

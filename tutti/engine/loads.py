@@ -3,8 +3,13 @@
 Layer-wise (eager and PIECEWISE CUDA-graph steps): reads for the first `lookahead` layers go
 out when the step starts, each layer's hook moves the window one layer on, and the compute
 stream waits on one event per layer, so storage traffic hides behind compute.
-Whole-step (a FULL CUDA-graph step, where vLLM replays the forward without per-layer hooks):
-every layer is read and scattered before the forward, and the compute stream waits once.
+Whole (a FULL CUDA-graph step, where vLLM replays the forward without per-layer hooks, and every
+asynchronous load on tutti's loading thread): every layer is read and scattered before start()
+returns, and the compute stream waits once. Such a load goes chunk-major: from mapped slabs one
+copy per run of chunks (tutti.engine.mapped_loads), through the file path one read per chunk's
+slot into half the load ring and one copy, verify and scatter per group of chunks
+(tutti.engine.file_chunks). Hybrid models, and a load ring that holds no whole chunk, keep the
+per-layer items below (a read, copy, verify and scatter per layer and group of chunks).
 
 Nothing here makes the host wait for the GPU. Checksums are computed on the device and
 compared there with the journaled values; mismatches collect in a device tensor that is
