@@ -3,8 +3,13 @@
 Layer-wise (eager and PIECEWISE CUDA-graph steps): reads for the first `lookahead` layers go
 out when the step starts, each layer's hook moves the window one layer on, and the compute
 stream waits on one event per layer, so storage traffic hides behind compute.
-Whole-step (a FULL CUDA-graph step, where vLLM replays the forward without per-layer hooks):
-every layer is read and scattered before the forward, and the compute stream waits once.
+Whole (a FULL CUDA-graph step, where vLLM replays the forward without per-layer hooks, and every
+asynchronous load on tutti's loading thread): every layer is read and scattered before start()
+returns, and the compute stream waits once. Such a load goes chunk-major: from mapped slabs one
+copy per run of chunks (tutti.engine.mapped_loads), through the file path one read per chunk's
+slot into half the load ring and one copy, verify and scatter per group of chunks
+(tutti.engine.file_chunks). Hybrid models, and a load ring that holds no whole chunk, keep the
+per-layer items below (a read, copy, verify and scatter per layer and group of chunks).
 
 Nothing here makes the host wait for the GPU. Checksums are computed on the device and
 compared there with the journaled values; mismatches collect in a device tensor that is
@@ -26,6 +31,7 @@ import torch
 
 from tutti.engine.context import Counters, JournalView, WorkerContext, as_signed64, log, nvtx_range
 from tutti.engine.hostcost import gil_free_wait
+from tutti.engine.file_chunks import load_file_chunks
 from tutti.engine.mapped_loads import load_mapped
 from tutti.engine.plan import LoadChunk
 from tutti.engine.staging import StagingRing, StagingSlot
@@ -44,6 +50,7 @@ class _Item:
     futures: list[IOFuture] = field(default_factory=list)
     pinned: list[tuple[object, int]] = field(default_factory=list)  # (store, slot) whose slab descriptors reads hold
     mapped: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk index -> its segment in a mapped slab
+    more_slots: list[StagingSlot] = field(default_factory=list)  # the rest of the ring (a chunk-major load's straggler)
 
 
 DETACHED_JOBS = 32  # detached jobs in flight at once (each keeps a pinned verdict buffer); more wait on the thread
@@ -97,8 +104,8 @@ class LoadPipeline:
         self._failed_blocks: set[int] = set()
         self._failed_log: set[bytes] = set()  # every key failed since take_failed_keys()
         self._stragglers: list[tuple[_Item, object]] = []  # (item, event) of reads that missed their deadline
-        self._mapped_ready: object = None  # CUDA event: the chunk-major loads from mapped slabs are scattered
-        self._mapped_pending = False  # chunk-major loads issued that no wait_layer has waited for yet
+        self._whole_ready: object = None  # CUDA event: the chunk-major loads (mapped slabs, whole-slot reads) are scattered
+        self._whole_pending = False  # chunk-major loads issued that no wait_layer has waited for yet
         self._t0 = 0.0
         self._bytes = 0  # loaded this step, reported with the step's seconds at finish()
         self._waited, self._layerwise = 0.0, False  # the forward's waits of a layer-wise load
@@ -119,7 +126,7 @@ class LoadPipeline:
         self._items, self._loads, self._sums = [], [], []
         self._next_submit = self._next_process = 0
         self._layer_events = {}
-        self._mapped_ready, self._mapped_pending = None, False
+        self._whole_ready, self._whole_pending = None, False
         bad_writers: dict[str, Exception] = {}
         if loads:
             self.journal.new_step()
@@ -155,17 +162,23 @@ class LoadPipeline:
                 self._bad = torch.zeros((len(self._loads), ctx.num_layers), dtype=torch.bool, device=ctx.device)
         # RAM roots: the chunks whose slabs are mapped, whole (tutti.engine.mapped_loads; one block
         # list for all layers, so not for hybrid models); the rest go through the file path
-        mapped = load_mapped(self) if self.maps and ctx.num_groups == 1 else set()
+        done = load_mapped(self) if self.maps and ctx.num_groups == 1 else set()
         if not file_path:
             for i, ld in enumerate(self._loads):
-                if i not in mapped:
+                if i not in done:
                     self._fail(ld, "its slab is not mapped (shrunk, or not yet mapped): loads launched from the "
                                "step's thread never read")
-            mapped = set(range(len(self._loads)))
+            done = set(range(len(self._loads)))
+        elif not layerwise and ctx.num_groups == 1:
+            # a whole load: one read per chunk's slot, one copy/verify/scatter per group of chunks
+            # (tutti.engine.file_chunks); the per-layer items below only where the ring holds no chunk
+            rest = [i for i in range(len(self._loads)) if i not in done]
+            if load_file_chunks(self, rest):
+                done.update(rest)
         for layer in range(ctx.num_layers):
             # a sliding-window layer reads only the chunks with blocks inside the window at the hit's
             # end: the rest of its segments are neither read nor scattered (hybrid models)
-            todo = [i for i in range(len(self._loads)) if i not in mapped
+            todo = [i for i in range(len(self._loads)) if i not in done
                     and ctx.moves_layer(self._loads[i].block_ids, layer, self._loads[i].skip_blocks)]
             for k in range(0, len(todo), self.per_slot):
                 idx = todo[k:k + self.per_slot]
@@ -254,10 +267,10 @@ class LoadPipeline:
 
     def wait_layer(self, layer: int) -> None:
         """Before layer `layer` computes: its KV is in the cache (or its blocks marked failed)."""
-        if self._mapped_pending:
-            self._mapped_pending = False
-            if self._mapped_ready is not None:
-                torch.cuda.current_stream(self.ctx.device).wait_event(self._mapped_ready)
+        if self._whole_pending:
+            self._whole_pending = False
+            if self._whole_ready is not None:
+                torch.cuda.current_stream(self.ctx.device).wait_event(self._whole_ready)
         if not self._items:
             return
         t_wait = time.perf_counter()
@@ -291,7 +304,7 @@ class LoadPipeline:
         own and nothing is counted yet (the job has not landed)."""
         if not self._loads:
             return
-        unawaited = self._next_process < len(self._items) or self._mapped_pending
+        unawaited = self._next_process < len(self._items) or self._whole_pending
         if unawaited:
             n_layers = len({it.layer for it in self._items[self._next_process:]}) or self.ctx.num_layers
             self.wait_layer(self.ctx.num_layers - 1)  # finish the IO so the slots come back
@@ -503,7 +516,7 @@ class LoadPipeline:
             torch.cuda.current_stream(self.ctx.device).wait_stream(self.stream)
         self._items, self._loads, self._sums = [], [], []
         self._next_submit = self._next_process = 0
-        self._layer_events, self._mapped_ready, self._mapped_pending = {}, None, False
+        self._layer_events, self._whole_ready, self._whole_pending = {}, None, False
         self._bad = self._bad_host = self._verified = None
         for ld in loads:
             self._fail(ld, why)
@@ -634,7 +647,8 @@ class LoadPipeline:
 
     def _done_with(self, item: _Item, ev: object) -> None:
         """Every read of `item` has landed: its staging slot and slab descriptors go back."""
-        self.ring.release(item.slot, ev)
+        for slot in [item.slot] + item.more_slots:
+            self.ring.release(slot, ev)
         for store, s in item.pinned:
             store.release(s)
         item.pinned = []

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def load_mapped(lp: "LoadPipeline") -> set[int]:
     """Every load of the step whose slab is mapped, loaded; returns their indices (the file path
     takes the rest). Their KV is complete only when all of them are: every layer waits on one
-    event (`lp._mapped_ready`)."""
+    event (`lp._whole_ready`)."""
     ctx = lp.ctx
     cb = ctx.chunk_bytes
     views: dict[int, torch.Tensor] = {}
@@ -53,7 +53,7 @@ def load_mapped(lp: "LoadPipeline") -> set[int]:
             ev.record(lp.stream)
     for slot in slots:
         lp.ring.release(slot, ev)
-    lp._mapped_ready, lp._mapped_pending = ev, True
+    lp._whole_ready, lp._whole_pending = ev, True
     return set(order)
 
 

@@ -52,14 +52,22 @@ def _combine(s1: torch.Tensor, s2: torch.Tensor, shape) -> torch.Tensor:
     return ((s2 & _MASK32) << 32 | (s1 & _MASK32)).reshape(shape)
 
 
+STEP_TEMP_BYTES = 1 << 20  # one int64 temporary of a step, at most (whole rows; at least one)
+
+
 def segment_checksum_torch(segments: torch.Tensor, *, rows_per_step: int = 64) -> torch.Tensor:
-    """Torch definition; int64 products wrap mod 2^64, which keeps them exact mod 2^32."""
+    """Torch definition; int64 products wrap mod 2^64, which keeps them exact mod 2^32. Rows go
+    `rows_per_step` at a time, fewer where their int64 temporaries would pass STEP_TEMP_BYTES:
+    on the CPU 64 rows of 256 KiB segments (a whole load's group) made int64 temporaries of
+    32 MiB, allocated and faulted in afresh for every op: 0.08 GB/s where rows of 1 MiB of
+    temporaries made 0.4-0.7 GB/s (bench/whole_load_calls.py's machine)."""
     seg = _check(segments)
     m, s = seg.shape
     out_shape = segments.shape[:-1]
     if m == 0:
         return torch.zeros(out_shape, dtype=torch.int64, device=segments.device)
     nw = s // 4
+    rows_per_step = max(1, min(rows_per_step, STEP_TEMP_BYTES // max(1, 8 * nw)))
     pos = (torch.arange(1, nw + 1, dtype=torch.int64, device=seg.device) * _POS) & _MASK32
     s1 = torch.empty(m, dtype=torch.int64, device=seg.device)
     s2 = torch.empty(m, dtype=torch.int64, device=seg.device)
