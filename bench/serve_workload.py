@@ -140,6 +140,9 @@ VARIANTS: dict[str, dict] = {
     # asynchronous loads launched by tutti's loading thread (session 11's path; the default
     # launches a mapped root's from the step's thread: async_launch)
     "tutti_shm_thread": {"async_launch": "thread"},
+    # the disk's whole loads read layer by layer (tutti before session 13; the default reads a
+    # chunk's slot at once: tutti.engine.file_chunks)
+    "tutti_disk_layer": {"whole_loads": "layer"},
 }
 
 

@@ -309,6 +309,14 @@ def test_async_launch_is_one_of_its_names():
             EngineConfig.from_dict(base(async_launch=bad))
 
 
+def test_whole_loads_is_chunk_or_layer():
+    assert EngineConfig.from_dict(base()).whole_loads == "chunk"
+    assert EngineConfig.from_dict(base(whole_loads="layer")).whole_loads == "layer"
+    for bad in ("auto", "Layer", None):
+        with pytest.raises(ValueError, match=r"whole_loads=.*expected one of \['chunk', 'layer'\]"):
+            EngineConfig.from_dict(base(whole_loads=bad))
+
+
 def test_idle_load_wait_is_seconds_or_off():
     assert EngineConfig.from_dict(base()).idle_load_wait_s == 0.002  # the default
     assert EngineConfig.from_dict(base(idle_load_wait_s=0.002)).idle_load_wait_s == 0.002

@@ -1450,6 +1450,26 @@ def test_a_whole_load_reads_each_chunk_with_one_request_and_is_bit_exact(tmp_pat
     w.close()
 
 
+def test_whole_loads_layer_reads_each_layer_as_before_and_loads_the_same_bytes(tmp_path):
+    """`whole_loads: layer` (kept to compare): the per-layer path's reads, one per segment, and
+    the same KV as the chunk-major default."""
+    src = make_caches(0)
+    _stored_whole(tmp_path, src)
+    dst = make_caches(1)
+    w = _wrapped_worker(tmp_path, dst, io_backend="threads", mapped_loads=False, async_loads=False,
+                        whole_loads="layer")
+    loads = _whole_loads()
+    assert _run_whole(w, 2, loads, "full_graph") == set()
+    reads = [(off, length) for _, op, off, length in w.queue.sized if op == "read"]
+    g = geometry()
+    assert sorted(reads) == sorted((ld.slot * g.slot_bytes + layer * g.segment_bytes, g.segment_bytes)
+                                   for ld in loads for layer in range(g.num_layers))
+    for s, d in zip(src, dst):
+        for i, ld in enumerate(loads):
+            assert torch.equal(d[list(ld.block_ids)], s[[i, i + 12]])
+    w.close()
+
+
 @pytest.mark.parametrize("how", ["full_graph", "async"])
 def test_a_whole_load_fails_exactly_a_corrupted_chunk(tmp_path, how):
     """Bytes changed on disk in one chunk of the second group: its blocks fail through the device

@@ -192,6 +192,7 @@ def _size_or_keyword(name: str, value: Any, minimum: int, expected: str) -> Any:
 DEFAULT_WRITE_WINDOW = 64 << 20  # write_window_bytes "auto" on a drive: 2 chunks of an 8B model
 MAPPED_STORE_COPIES = ("auto", "dma", "dma_chunk", "host")
 ASYNC_LAUNCHES = ("auto", "step", "thread")
+WHOLE_LOADS = ("chunk", "layer")
 READS_FIRST_BYTES = 4 << 20  # reads_first: the writer's window (and write size) while hits' reads wait
 
 @dataclass(frozen=True)
@@ -236,6 +237,12 @@ class EngineConfig:
     # steps that prefill from 16-17 ms to 24-33 ms of host time, and each job from about 2 ms of
     # CUDA calls to 16-25 ms: the two threads took turns at the GIL.
     async_launch: str = "auto"
+    # How a whole load (every asynchronous load, a FULL CUDA-graph step's) reads through the file
+    # path: "chunk" = one read per chunk's slot and one copy, verify and scatter per group of chunks
+    # (tutti.engine.file_chunks); "layer" = a read, copy, verify and scatter per layer and group of
+    # chunks (the layer-wise path's items, tutti before session 13: 32x the IO requests and about
+    # 30x the launches for a 4k-token hit of an 8B model, bench/whole_load_calls.py). Kept to compare.
+    whole_loads: str = "chunk"
     # Where hits load in the step (async_loads false): the bytes one step may load layer-wise; a
     # hit past it loads asynchronously instead, so no step waits on a load it cannot hide (vLLM
     # 0.33's connector calls its knob sync_load_budget_bytes). "auto" = what the measured read
@@ -449,7 +456,9 @@ class EngineConfig:
                 ("async_launch", ASYNC_LAUNCHES, "who launches an asynchronous load from a mapped RAM root; "
                                                  "\"auto\" = \"step\" where it can"),
                 ("mapped_store_copy", MAPPED_STORE_COPIES, "how a store reaches a mapped RAM root's slot; "
-                                                           "\"auto\" = \"dma_chunk\"")):
+                                                           "\"auto\" = \"dma_chunk\""),
+                ("whole_loads", WHOLE_LOADS, "how a whole load reads through the file path; \"chunk\" = one "
+                                             "read per chunk")):
             if name in raw:
                 v = raw.pop(name)
                 if v not in choices:

@@ -169,7 +169,7 @@ class LoadPipeline:
                     self._fail(ld, "its slab is not mapped (shrunk, or not yet mapped): loads launched from the "
                                "step's thread never read")
             done = set(range(len(self._loads)))
-        elif not layerwise and ctx.num_groups == 1:
+        elif not layerwise and ctx.num_groups == 1 and ctx.cfg.whole_loads == "chunk":
             # a whole load: one read per chunk's slot, one copy/verify/scatter per group of chunks
             # (tutti.engine.file_chunks); the per-layer items below only where the ring holds no chunk
             rest = [i for i in range(len(self._loads)) if i not in done]
