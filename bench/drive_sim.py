@@ -11,7 +11,7 @@ skips it). The workload is serve_workload.py's prefix_repetition. Time is simula
 RateMeter reads the model's clock), so a run takes seconds on any machine and gives the same
 figures everywhere. It is a model: it says which policy to measure on a GPU, not what a GPU does.
 
-    python3 bench/drive_sim.py [--drive-gbps 1.6] [--admissions all,drive_share,seen_twice] [--out F]
+    python3 bench/drive_sim.py [--drive-gbps 1.6] [--admissions all,drive_share,seen_twice,share:0.5] [--out F]
 """
 
 from __future__ import annotations
@@ -112,6 +112,17 @@ def workload(a, seed: int) -> list[list[int]]:
     return [prefixes[i] + [rng.randrange(10, 30000) for _ in range(a.suffix_len)] for i in order]
 
 
+def fixed_share(share: float) -> DriveShare:
+    """DriveShare whose share never moves: `share:X` in --admissions. A grid of them bounds what any
+    policy choosing a share of whole prefixes can reach on a drive (load_or_compute.md)."""
+    if not 0 < share <= 1:
+        raise SystemExit(f"--admissions share:{share}: expected a share in (0, 1]")
+    policy = DriveShare(floor=share)
+    policy.share = share
+    policy._update = lambda counters: None
+    return policy
+
+
 def run(a, admission: str, seed: int) -> Result:
     clock = Clock()
     hit_policy_mod.time = clock  # the RateMeter's clock: the model's
@@ -122,6 +133,8 @@ def run(a, admission: str, seed: int) -> Result:
     if admission != "none":
         if admission == "drive_share":
             policy = DriveShare(clock=clock)
+        elif admission.startswith("share:"):  # a fixed share of the prefixes: the bound of any share policy
+            policy = fixed_share(float(admission[len("share:"):]))
         else:
             policy = get_admission(admission)
         planner = Planner(num_slots=int(a.capacity_chunks), chunk_tokens=a.chunk_tokens, block_size=16,
@@ -292,9 +305,16 @@ def main() -> None:
                        "none_makespan_s": round(base.makespan_s, 2), "none_gpu_cache_tokens": base.gpu_cache_tokens}
                 rows.append(row)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    means: dict[tuple[float, str], list[float]] = {}
+    for row in rows:
+        means.setdefault((row["drive_gbps"], row["admission"]), []).append(row["x_none"])
+    summary = [{"drive_gbps": g, "admission": adm, "x_none_mean": round(sum(v) / len(v), 3), "x_none": v}
+               for (g, adm), v in means.items()]
+    for row in summary:
+        print("MEAN " + json.dumps(row), flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(a).items()}, "rows": rows}, f, indent=1)
+            json.dump({"args": {k: v for k, v in vars(a).items()}, "rows": rows, "summary": summary}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -28,3 +28,20 @@ def test_drive_share_is_all_on_a_fast_drive_and_declines_whole_prefixes_on_a_slo
     assert slow["drive_share"]["share"] < 1.0 and slow["drive_share"]["stores_declined"] > 0
     # whole prefixes declined up front instead of chunks skipped (and holes) once staging is full
     assert slow["drive_share"]["stores_skipped"] < slow["all"]["stores_skipped"]
+
+
+def test_a_fixed_share_admits_that_share_of_the_prefixes_and_never_moves(tmp_path):
+    out = tmp_path / "share.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "drive_sim.py"), "--drive-gbps", "0.4", "--seeds", "1",
+                    "--num-prefixes", "12", "--repeats", "3", "--admissions", "all,share:0.25,share:1",
+                    "--gpu-cache-chunks", "40", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    d = json.load(open(out))
+    rows = {r["admission"]: r for r in d["rows"]}
+    assert rows["share:0.25"]["share"] == 0.25  # the slow drive's pressure did not move it
+    assert rows["share:0.25"]["written_gb"] < rows["share:1"]["written_gb"]
+    for k in ("stores_declined", "written_gb", "hit_tokens"):  # share 1 admits what "all" admits
+        assert rows["share:1"][k] == rows["all"][k]
+    assert {(s["admission"], s["drive_gbps"]) for s in d["summary"]} == {(a, 0.4) for a in rows}
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "drive_sim.py"), "--admissions", "share:0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "expected a share in (0, 1]" in bad.stderr
