@@ -38,34 +38,20 @@ import tutti.engine.loads as loads_mod  # noqa: E402
 from load_rate import store_all, worker  # noqa: E402
 from tutti.engine.build import Geometry  # noqa: E402
 from tutti.engine.plan import LoadChunk, StepPlan  # noqa: E402
-from tutti.io.queue import IOQueue  # noqa: E402
+from tutti.io.queue import WrappedQueue  # noqa: E402
 
 
-class CountingQueue(IOQueue):
+class CountingQueue(WrappedQueue):
     """The worker's real queue, counting the requests it is handed."""
 
-    def __init__(self, inner: IOQueue) -> None:
-        self.inner, self.name, self.requests = inner, inner.name, 0
-
-    def caps(self):
-        return self.inner.caps()
-
-    def open_file(self, *a, **kw):
-        return self.inner.open_file(*a, **kw)
-
-    def register_buffers(self, b):
-        self.inner.register_buffers(b)
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.requests = 0
 
     def submit(self, requests):
         futs = self.inner.submit(requests)
         self.requests += len(futs)
         return futs
-
-    def poll(self, timeout=0.0):
-        return self.inner.poll(timeout)
-
-    def close(self):
-        self.inner.close()
 
 
 class TorchCalls(TorchFunctionMode):

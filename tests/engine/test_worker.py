@@ -9,7 +9,7 @@ import torch
 
 from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk
 from tutti.engine.build import Geometry, build_worker
-from tutti.io.queue import IOQueue
+from tutti.io.queue import WrappedQueue
 from tutti.kernels import PagedLayout
 
 L, B, H, N, D = 3, 24, 2, 16, 8  # layers, kernel blocks, kv heads, tokens/block, head size
@@ -161,22 +161,13 @@ def test_the_warm_up_runs_every_op_a_load_runs_and_changes_no_byte(tmp_path, map
     w.close()
 
 
-class RecordingQueue(IOQueue):
+class RecordingQueue(WrappedQueue):
     """Wraps a real queue: records each submit and can fail the k-th read."""
 
     def __init__(self, inner, fail_read=None):
-        self.inner, self.fail_read, self.log, self.reads = inner, fail_read, [], 0
+        super().__init__(inner)
+        self.fail_read, self.log, self.reads = fail_read, [], 0
         self.sized = []  # (submit, op, offset, length)
-        self.name = inner.name
-
-    def caps(self):
-        return self.inner.caps()
-
-    def open_file(self, *a, **kw):
-        return self.inner.open_file(*a, **kw)
-
-    def register_buffers(self, b):
-        self.inner.register_buffers(b)
 
     def submit(self, requests):
         futs = self.inner.submit(requests)
@@ -189,12 +180,6 @@ class RecordingQueue(IOQueue):
                     f.result()
                     f._error = OSError(5, "injected read failure")
         return futs
-
-    def poll(self, timeout=0.0):
-        return self.inner.poll(timeout)
-
-    def close(self):
-        self.inner.close()
 
 
 def _wrapped_worker(tmp_path, caches, fail_read=None, **kw):

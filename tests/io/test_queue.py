@@ -378,3 +378,32 @@ def test_reads_first_keeps_only_reads_in_flight_while_no_writer_asks():
         rf.track([fut])
         fut.set_result(4 * KiB)
     assert len(rf._reads) <= 1
+
+
+def test_a_wrapped_queue_hands_every_call_to_the_real_one(tmp_path):
+    """WrappedQueue: a subclass sees each request and the bytes still land through the real backend."""
+    from tutti.io.queue import READ, WRITE, IORequest, WrappedQueue, open_queue
+
+    class Counting(WrappedQueue):
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.seen = []
+
+        def submit(self, requests):
+            self.seen += [(r.op, r.length) for r in requests]
+            return super().submit(requests)
+
+    from tutti.io.buffers import aligned_buffer
+
+    q = Counting(open_queue("threads"))
+    assert q.name == "threads" and q.caps().backend == "threads"
+    buf = aligned_buffer(8192)
+    buf.zero_()
+    q.register_buffers([buf])
+    fd = q.open_file(tmp_path / "f", write=True, create=True)
+    buf[:4096] = 7
+    q.submit([IORequest(fd, 0, buf, 0, 4096, WRITE)])[0].result(timeout=10)
+    q.submit([IORequest(fd, 0, buf, 4096, 4096, READ)])[0].result(timeout=10)
+    assert q.seen == [(WRITE, 4096), (READ, 4096)] and bool((buf[4096:] == 7).all())
+    q.drain()
+    q.close()

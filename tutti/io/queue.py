@@ -220,6 +220,38 @@ class IOQueue(abc.ABC):
         self.close()
 
 
+class WrappedQueue(IOQueue):
+    """A queue that hands every call to `inner`: subclass it and override `submit` to watch,
+    count, delay or fail requests (a trace of what a pipeline reads, a fault injected into a real
+    backend) without writing a backend. The name is the inner queue's."""
+
+    def __init__(self, inner: IOQueue) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def caps(self) -> QueueCaps:
+        return self.inner.caps()
+
+    def submit(self, requests: Sequence[IORequest]) -> list[IOFuture]:
+        return self.inner.submit(requests)
+
+    def open_file(self, path: str | os.PathLike, write: bool = False, create: bool = False, *,
+                  dir_fd: int | None = None) -> int:
+        return self.inner.open_file(path, write, create, dir_fd=dir_fd)
+
+    def register_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        self.inner.register_buffers(buffers)
+
+    def poll(self, timeout: float | None = 0.0) -> int:
+        return self.inner.poll(timeout)
+
+    def drain(self) -> None:
+        self.inner.drain()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class CountedCompletions:
     """poll() and drain() for a backend that counts completions under one condition variable:
     `_cond` (a threading.Condition), `_completed` and `_polled` (running totals) and
