@@ -113,11 +113,10 @@ def test_drive_share_writes_fewer_whole_prefixes_under_pressure_and_recovers():
     clock.t, stats.stores_skipped = 1.0, 3  # stores were skipped: the drive cannot keep up
     assert not p.admit(shared("c", hi, stats)) and p.share == 0.5
     assert p.admit(shared("d", lo, stats))  # the prefix below the share is still written
-    clock.t, stats.declined_hit_tokens, stats.stores_committed = 2.0, 512, 4  # hits recomputed while writing
+    clock.t, stats.stores_skipped = 2.0, 5  # skipped again
     assert p.admit(shared("d", lo, stats, chunk=1)) and p.share == 0.25
-    clock.t = 3.0  # declines alone, nothing written: a slow drive, not a busy one
-    stats.declined_hit_tokens += 512
-    p.admit(shared("e", lo, stats))
+    clock.t, stats.declined_hit_tokens, stats.stores_committed = 3.0, 512, 4  # hits recomputed while writing,
+    p.admit(shared("e", lo, stats))  # nothing skipped: the drive keeps up with the writes, the share climbs
     assert p.share == 0.5
     clock.t, stats.stores_committed = 10.0, 8  # quiet: the share climbs back
     p.admit(shared("f", lo, stats))
