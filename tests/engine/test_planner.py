@@ -37,7 +37,8 @@ def test_hit_leaves_at_least_one_token_and_is_chunk_aligned():
     toks = list(range(128))  # exactly 2 chunks
     plan = run_prefill(p, "a", toks, [1, 2, 3, 4])
     p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
-    assert p.match("b", toks, 0) == T  # the last chunk would leave nothing to compute
+    # the last chunk would leave nothing to compute: all of it but its last block (the tail)
+    assert p.match("b", toks, 0) == 2 * T - BS
     assert p.match("c", toks + [5], 0) == 2 * T
     assert p.match("d", toks + [5], 96) == 32  # local prefix cache already has 96 tokens
     assert p.match("e", toks + [5], 128) == 0
@@ -173,3 +174,150 @@ def test_no_store_is_planned_after_a_chunk_of_its_request_failed():
     d = p.stats.since(before)
     assert not plan.stores and d["stores_declined"] == 2 and d["evictions"] == 0
     assert p.match("x2", full, 0) == 2 * T  # x's chunks were not evicted for them
+
+
+# -- a hit reaching the prompt's last block (the tail) ---------------------------------------
+TB = 16  # a smaller block: 4 blocks a chunk, so a tail load keeps 3 and may skip some
+
+
+def tail_planner(**kw):
+    return Planner(num_slots=16, chunk_tokens=T, block_size=TB, seed=namespace_seed("t"), slot_bytes=4096, **kw)
+
+
+def stored(p, tokens, req="a"):
+    """`tokens` prefilled and every whole chunk of them committed."""
+    blocks = list(range(100, 100 + -(-len(tokens) // TB)))
+    plan = run_prefill(p, req, tokens, blocks)
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    return plan
+
+
+class Takes:
+    """A hit policy that loads a fixed number of tokens."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def decide(self, q, rates):
+        return self.n
+
+
+def test_exact_repeat_loads_the_last_chunk_but_its_last_block():
+    p = tail_planner()
+    toks = list(range(3 * T))  # exactly 3 chunks
+    stored(p, toks)
+    assert p.match("b", toks, 0) == 3 * T - TB
+    blocks = list(range(1, 13))
+    p.on_alloc("b", blocks, 3 * T - TB)
+    p.update_request("b", tokens=toks, all_block_ids=blocks)
+    plan = p.build_step({"b": TB}, {"b": 3 * T - TB})
+    assert [(ld.block_ids, ld.skip_blocks, ld.keep_blocks) for ld in plan.loads] == [
+        ((1, 2, 3, 4), 0, None), ((5, 6, 7, 8), 0, None), ((9, 10, 11, 12), 0, 3)]
+    assert plan.loads[2].key == p._reqs["b"].keys[2]
+    assert all(p.index.is_pinned(ld.key) for ld in plan.loads)
+    assert not plan.stores  # the tail chunk is stored already: never again
+    assert p.stats.hit_tokens == 3 * T - TB
+    # the load's bytes: 2 chunks and 3 of the last chunk's 4 blocks
+    assert p._step_load_bytes[plan.step] == 4096 * 2 + 4096 * 3 // 4
+    p.on_report(WorkerReport(steps_done=[plan.step]))
+    assert not any(p.index.is_pinned(ld.key) for ld in plan.loads)
+    plan2 = p.build_step({"b": 1}, {"b": 3 * T})  # decoding: nothing to store
+    assert not plan2.stores and not plan2.loads
+
+
+def test_one_token_past_whole_chunks_keeps_whole_chunks():
+    p = tail_planner()
+    toks = list(range(3 * T + 1))
+    stored(p, toks)
+    assert p.match("b", toks, 0) == 3 * T
+    p.on_alloc("b", list(range(1, 14)), 3 * T)
+    plan = p.build_step({"b": 1}, {"b": 3 * T})
+    assert [ld.keep_blocks for ld in plan.loads] == [None] * 3
+
+
+def test_tail_respects_the_requests_cap():
+    p = tail_planner()
+    toks = list(range(3 * T))
+    stored(p, toks)
+    assert p.match("b", toks, 0, max_load_tokens=3 * T - TB) == 3 * T - TB
+    assert p.match("c", toks, 0, max_load_tokens=3 * T - TB - 1) == 2 * T  # chunk boundaries only
+
+
+def test_no_tail_when_the_policy_takes_fewer_chunks():
+    p = tail_planner(hit_policy=Takes(T))
+    toks = list(range(3 * T))
+    stored(p, toks)
+    assert p.match("b", toks, 0) == T
+    p.on_alloc("b", list(range(1, 13)), T)
+    plan = p.build_step({"b": 2 * T}, {"b": T})
+    assert [ld.keep_blocks for ld in plan.loads] == [None]
+    assert [s.block_ids for s in plan.stores] == []  # chunks 1, 2 are resident: not stored twice
+
+
+def test_no_tail_when_the_last_chunk_is_not_stored():
+    p = tail_planner()
+    toks = list(range(3 * T))
+    stored(p, toks[:2 * T + 5])  # two chunks stored
+    assert p.match("b", toks, 0) == 2 * T
+    p.on_alloc("b", list(range(1, 13)), 2 * T)
+    plan = p.build_step({"b": T}, {"b": 2 * T})
+    assert [ld.keep_blocks for ld in plan.loads] == [None, None]
+    assert [s.block_ids for s in plan.stores] == [(9, 10, 11, 12)]  # the last chunk is stored once computed
+
+
+def test_tail_with_vllms_own_cache_skips_and_keeps():
+    p = tail_planner()
+    toks = list(range(3 * T))
+    stored(p, toks)
+    n = p.match("b", toks, 2 * TB)  # vLLM's own prefix cache holds 2 blocks
+    assert n == 3 * T - TB - 2 * TB
+    blocks = [50, 51] + list(range(3, 13))
+    p.on_alloc("b", blocks, n)
+    plan = p.build_step({"b": TB}, {"b": 3 * T - TB})
+    assert [(ld.block_ids, ld.skip_blocks, ld.keep_blocks) for ld in plan.loads] == [
+        ((50, 51, 3, 4), 2, None), ((5, 6, 7, 8), 0, None), ((9, 10, 11, 12), 0, 3)]
+    assert p.stats.hit_tokens == n
+    # vLLM's cache reaching into the last chunk: its own hit, no tail (unchanged)
+    assert p.match("c", toks, 2 * T + TB) == 0
+
+
+def test_tail_loads_asynchronously_too():
+    p = tail_planner(asynchronous=True)
+    toks = list(range(2 * T))
+    stored(p, toks)
+    assert p.match("b", toks, 0) == 2 * T - TB
+    p.on_alloc("b", list(range(1, 9)), 2 * T - TB, async_load=True)
+    plan = p.build_step({}, {})
+    assert [(ld.block_ids, ld.keep_blocks) for ld in plan.async_loads] == [((1, 2, 3, 4), None), ((5, 6, 7, 8), 3)]
+    assert p.stats.async_hit_tokens == 2 * T - TB
+    p.on_report(WorkerReport(steps_done=[plan.async_step]))
+    assert not any(p.index.is_pinned(ld.key) for ld in plan.async_loads)
+
+
+def test_a_failed_tail_load_drops_its_chunk():
+    p = tail_planner()
+    toks = list(range(2 * T))
+    stored(p, toks)
+    p.on_alloc("b", list(range(1, 9)), p.match("b", toks, 0))
+    plan = p.build_step({"b": TB}, {"b": 2 * T - TB})
+    tail = plan.loads[-1]
+    p.on_report(WorkerReport(load_failed=[tail.key], steps_done=[plan.step]))
+    assert p.index.slot_of(tail.key) is None
+    assert p.match("c", toks, 0) == T  # the first chunk only: the tail is gone
+
+
+def test_no_tail_for_one_block_chunks_or_hybrid_models():
+    p = Planner(num_slots=16, chunk_tokens=T, block_size=T, seed=namespace_seed("t"), slot_bytes=4096)
+    toks = list(range(3 * T))
+    plan = run_prefill(p, "a", toks, [1, 2, 3])
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    assert p.match("b", toks, 0) == 2 * T
+    h = Planner(num_slots=16, chunk_tokens=T, block_size=TB, seed=namespace_seed("t"), slot_bytes=4096,
+                num_groups=2)
+    groups = [list(range(1, 13)), list(range(21, 33))]
+    h.match("a", toks, 0)
+    h.on_alloc("a", groups, 0)
+    h.update_request("a", tokens=toks, all_block_ids=groups)
+    plan = h.build_step({"a": 3 * T}, {"a": 0})
+    h.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    assert len(plan.stores) == 3 and h.match("b", toks, 0) == 2 * T

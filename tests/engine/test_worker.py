@@ -1548,3 +1548,84 @@ def test_a_whole_loads_stalled_read_fails_its_chunk_and_holds_its_half_until_it_
     for s, d in zip(src, dst):
         assert torch.equal(d[[4, 5]], s[[2, 14]])
     w.close()
+
+
+# ---------------------------------------------------------------- a hit's last chunk (keep_blocks)
+TAIL_PATHS = ["layer", "whole_full_graph", "whole_async", "mapped", "mapped_async"]
+
+
+def _tail_worker(tmp_path, caches, how):
+    """A worker loading through `how`: the layer-wise file path, a whole chunk-major file load
+    (a FULL-graph step or an asynchronous one), or mapped slabs (a RAM root, forced on)."""
+    mapped = how.startswith("mapped")
+    w = _wrapped_worker(tmp_path, caches, mapped_loads=mapped, async_loads=how.endswith("async"))
+    if mapped:
+        w.warm_up()  # maps every stored slab, as the connector does at start
+        assert w.store.maps_ram
+    return w
+
+
+def _tail_load(w, how, loads):
+    """Runs `loads` (every one of request "q") through `how`; returns the blocks reported failed."""
+    if how in ("layer", "mapped"):
+        run_step(w, StepPlan(2, loads=loads))
+        return w.take_failed_blocks()
+    return _run_whole(w, 2, loads, "async" if how.endswith("async") else "full_graph")
+
+
+@pytest.fixture
+def four_block_chunks(monkeypatch):
+    """Chunks of 4 blocks (this module's default has 2): a load may then skip one and keep three."""
+    monkeypatch.setitem(globals(), "T", 4 * N)  # geometry() and config() read it at each call
+    return 4
+
+
+def _tail_loads():
+    """Chunk i (key bytes([i]) * 32, slot i) from src blocks 4i..4i+3 into dst blocks 12+4i..: chunk 0
+    keeps 3 blocks, chunk 1 skips 1 and keeps 3, chunk 2 is whole."""
+    return [LoadChunk("q", bytes([0]) * 32, 0, (12, 13, 14, 15), keep_blocks=3),
+            LoadChunk("q", bytes([1]) * 32, 1, (16, 17, 18, 19), skip_blocks=1, keep_blocks=3),
+            LoadChunk("q", bytes([2]) * 32, 2, (20, 21, 22, 23))]
+
+
+@pytest.mark.parametrize("how", TAIL_PATHS)
+def test_a_load_keeping_blocks_writes_only_those(tmp_path, four_block_chunks, how):
+    """A hit reaching the prompt's last chunk loads all of it but its last block (vLLM computes
+    that one): exactly blocks[skip:keep] are written, byte-equal to the stored ones, on every
+    load path; the whole chunk is still read (and verified)."""
+    src = make_caches(0)
+    rep = store_chunks(tmp_path, src, [(i, range(4 * i, 4 * i + 4)) for i in range(3)])
+    assert sorted(rep.stored) == [1, 2, 3]
+    dst = make_caches(1)
+    before = [c.clone() for c in dst]
+    w = _tail_worker(tmp_path, dst, how)
+    loads = _tail_loads()
+    assert _tail_load(w, how, loads) == set()
+    written = {12: 0, 13: 1, 14: 2, 17: 5, 18: 6, 20: 8, 21: 9, 22: 10, 23: 11}
+    for s, d, b0 in zip(src, dst, before):
+        for blk in range(B):
+            want = s[written[blk]] if blk in written else b0[blk]
+            assert torch.equal(d[blk], want), (how, blk)
+    if not how.startswith("mapped"):
+        assert w.queue.reads > 0
+    assert 2 in w.take_report().steps_done or how.endswith("async")
+    w.close()
+
+
+@pytest.mark.parametrize("how", TAIL_PATHS)
+def test_a_corrupt_kept_chunk_fails_only_the_blocks_it_would_write(tmp_path, four_block_chunks, how):
+    """A damaged chunk loaded with skip and keep fails blocks[skip:keep] only: never the block vLLM
+    computes itself (nor its own cached one), so vLLM recomputes from the first of them."""
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(i, range(4 * i, 4 * i + 4)) for i in range(3)])
+    damage(tmp_path, 1, 2)  # slot 1 (the chunk that skips 1 and keeps 3), layer 2
+    dst = make_caches(1)
+    before = [c.clone() for c in dst]
+    w = _tail_worker(tmp_path, dst, how)
+    loads = _tail_loads()
+    assert _tail_load(w, how, loads) == {17, 18}
+    assert w.take_report().load_failed == [loads[1].key]
+    for s, d, b0 in zip(src, dst, before):
+        assert torch.equal(d[[12, 13, 14]], s[[0, 1, 2]]) and torch.equal(d[15], b0[15])
+        assert torch.equal(d[[16, 19]], b0[[16, 19]])  # vLLM's own blocks: never written
+    w.close()

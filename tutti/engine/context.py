@@ -201,13 +201,15 @@ class WorkerContext:
             return True
         return self.skip_for(block_ids, skip_blocks, layer) < len(self.blocks_for(block_ids, layer))
 
-    def written_blocks(self, block_ids: Sequence[int], skip_blocks: int) -> set[int]:
-        """Every block a load of this chunk writes (all groups): what fails when it fails."""
+    def written_blocks(self, block_ids: Sequence[int], skip_blocks: int, keep_blocks: int | None = None) -> set[int]:
+        """Every block a load of this chunk writes (all groups): what fails when it fails. Never
+        a block past `keep_blocks` (LoadChunk): vLLM computes that one itself, and a block
+        reported failed would have it recompute from there."""
         if self.group_of_layer is None:
-            return set(block_ids[skip_blocks:])
+            return set(block_ids[skip_blocks:keep_blocks])
         out: set[int] = set()
         for layer in {self.group_of_layer.index(g) for g in range(self.num_groups)}:
-            out.update(self.blocks_for(block_ids, layer)[self.skip_for(block_ids, skip_blocks, layer):])
+            out.update(self.blocks_for(block_ids, layer)[self.skip_for(block_ids, skip_blocks, layer):keep_blocks])
         out.discard(NULL_BLOCK)
         return out
 

@@ -17,6 +17,10 @@ copied back once per step and read when vLLM asks for the failed blocks, after t
 A mismatched chunk's blocks are then reported failed, so vLLM discards that step's output for
 the request and recomputes them: its KV never reaches an output. Read errors are known on the
 host and fail their chunk at once (nothing is scattered from it).
+
+A load may write fewer blocks than its chunk holds (LoadChunk.skip_blocks, keep_blocks: blocks
+vLLM computed or computes itself): the whole chunk is still read and verified, and a failed one
+reports only the blocks it would have written.
 """
 
 from __future__ import annotations
@@ -211,11 +215,12 @@ class LoadPipeline:
     def scatter(self, data: torch.Tensor, idx: list[int], layers: list[int], good: list[int], where: int) -> None:
         """Rows `good` of `data` (as in verify) into their blocks: one launch for the rows with
         nothing to skip (for all layers at once where every layer has the one block list), the
-        partial ones (vLLM's own prefix cache, a sliding window's start) block by block."""
+        partial ones (vLLM's own prefix cache, a sliding window's start, a chunk whose last block
+        vLLM computes: LoadChunk.keep_blocks) block by block."""
         ctx = self.ctx
         with nvtx_range("scatter", where):
             if ctx.num_groups == 1:
-                full = [r for r in good if self._loads[idx[r]].skip_blocks == 0]
+                full = [r for r in good if not self._partial(self._loads[idx[r]])]
                 if full:
                     rows = data if len(full) == len(idx) else data.index_select(0, ctx.index(full))
                     # [layers, rows, seg]: one layer (the file path) as a contiguous [1, rows, seg]
@@ -224,20 +229,27 @@ class LoadPipeline:
                                 src)
             # one group: only rows with blocks to skip are left; hybrid models: every row, layer by
             # layer (a layer's group decides its blocks and what its window skips)
-            rest = good if ctx.num_groups > 1 else [r for r in good if self._loads[idx[r]].skip_blocks]
+            rest = good if ctx.num_groups > 1 else [r for r in good if self._partial(self._loads[idx[r]])]
             for li, layer in enumerate(layers if rest else ()):
                 skips = {r: ctx.skip_for(self._loads[idx[r]].block_ids, self._loads[idx[r]].skip_blocks, layer)
                          for r in rest}
                 if ctx.num_groups > 1:
-                    full = [r for r in rest if skips[r] == 0]
+                    full = [r for r in rest if skips[r] == 0 and self._loads[idx[r]].keep_blocks is None]
                     if full:
                         rows = data[:, li] if len(full) == len(idx) else data[:, li].index_select(0, ctx.index(full))
                         ctx.scatter([ctx.caches[layer]], [ctx.blocks_for(self._loads[idx[r]].block_ids, layer)
                                                           for r in full], rows.unsqueeze(0))
                 for r in rest:
                     blocks = ctx.blocks_for(self._loads[idx[r]].block_ids, layer)
-                    if 0 < skips[r] < len(blocks):
-                        self._scatter_partial(layer, data[r, li], blocks, skips[r])
+                    keep = self._loads[idx[r]].keep_blocks
+                    end = len(blocks) if keep is None else min(keep, len(blocks))
+                    if skips[r] < end and (skips[r] > 0 or end < len(blocks)):
+                        self._scatter_partial(layer, data[r, li], blocks, skips[r], end)
+
+    @staticmethod
+    def _partial(ld: LoadChunk) -> bool:
+        """Whether a load writes fewer than all of its chunk's blocks (it then goes block by block)."""
+        return ld.skip_blocks > 0 or (ld.keep_blocks is not None and ld.keep_blocks < len(ld.block_ids))
 
     def _tags_match(self, ld: LoadChunk, sums: tuple[int, ...], view: torch.Tensor) -> bool:
         """With a secret: every layer's keyed tag, on the host, before anything is copied."""
@@ -671,19 +683,22 @@ class LoadPipeline:
                     if self._tag_ok(ld, item.layer, item.mapped[i].numpy() if i in item.mapped else
                                     host[i * seg:(i + 1) * seg], self._sums[item.idx[i]][item.layer])]
 
-    def _scatter_partial(self, layer: int, seg: torch.Tensor, blocks: tuple[int, ...], skip: int) -> None:
-        """Scatter only the blocks after the first `skip` (vLLM's own prefix cache, or blocks a
-        sliding-window group no longer holds)."""
+    def _scatter_partial(self, layer: int, seg: torch.Tensor, blocks: tuple[int, ...], skip: int,
+                         keep: int | None = None) -> None:
+        """Scatter only blocks[skip:keep]: not the first `skip` (vLLM's own prefix cache, or blocks
+        a sliding-window group no longer holds), nor those from `keep` on (the prompt's last block,
+        which vLLM computes itself)."""
         ctx = self.ctx
         bpc = len(blocks)
+        keep = bpc if keep is None else min(keep, bpc)
         tok_bytes = ctx.seg_token_bytes
-        t0 = skip * (ctx.chunk_tokens // bpc)
-        n_tok = ctx.chunk_tokens - t0
-        need = segment_bytes(n_tok, tok_bytes)  # the tail as a segment of its own (padded)
-        start, end = token_span(t0, ctx.chunk_tokens, tok_bytes)
+        per_block = ctx.chunk_tokens // bpc
+        t0, t1 = skip * per_block, keep * per_block
+        need = segment_bytes(t1 - t0, tok_bytes)  # the span as a segment of its own (padded)
+        start, end = token_span(t0, t1, tok_bytes)
         part = torch.zeros(need, dtype=torch.uint8, device=seg.device)
         part[: end - start].copy_(seg[start:end])
-        ctx.scatter([ctx.caches[layer]], [blocks[skip:]], part.view(1, 1, need))
+        ctx.scatter([ctx.caches[layer]], [blocks[skip:keep]], part.view(1, 1, need))
 
     def _fail(self, ld: LoadChunk, why: str) -> None:
         if ld.key not in self._failed_keys:
@@ -692,5 +707,5 @@ class LoadPipeline:
             self._failed_keys.add(ld.key)
             self._failed_log.add(ld.key)
             self.counters.record(load_failed=[ld.key])
-        self._failed_blocks.update(self.ctx.written_blocks(ld.block_ids, ld.skip_blocks))
+        self._failed_blocks.update(self.ctx.written_blocks(ld.block_ids, ld.skip_blocks, ld.keep_blocks))
 

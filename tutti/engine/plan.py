@@ -17,7 +17,10 @@ class LoadChunk:
     """Read chunk `key` from `slot` and scatter it into `block_ids` (manager blocks).
 
     `skip_blocks` leading blocks of the chunk are already computed locally (vLLM's own prefix
-    cache): they are not written, so shared blocks are never touched.
+    cache): they are not written, so shared blocks are never touched. `keep_blocks` (None: all)
+    ends what is written: a hit reaching the prompt's last chunk loads all but its last block,
+    which vLLM computes itself (it needs at least one token to compute). The load writes
+    `block_ids[skip_blocks:keep_blocks]`; the whole chunk is still read and verified.
     """
 
     req_id: str
@@ -26,6 +29,7 @@ class LoadChunk:
     block_ids: tuple[int, ...]
     skip_blocks: int = 0
     source: str | None = None  # another writer of the shared namespace that holds it (None: our own store)
+    keep_blocks: int | None = None  # blocks before this index are written (None: every block)
 
 
 @dataclass(frozen=True)

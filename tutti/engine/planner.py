@@ -84,6 +84,7 @@ class _Request:
     prompt_len: int = 0  # the prompt's tokens (tokens grows with generated ones under store_decode)
     load_async: bool = False  # the last lookup's hit goes asynchronously (past the step's sync budget)
     holed: bool = False  # a chunk's store failed or was skipped: no hit reaches its later chunks
+    tail: bool = False  # the last lookup's hit reaches into the prompt's last chunk (all but its last block)
 
 
 @dataclass
@@ -188,10 +189,14 @@ class Planner:
         """Tokens beyond `num_computed_tokens` to load: whole chunks the store holds, as many as
         the hit policy chooses (at most `max_load_tokens`, the request's own cap), and always at
         least one prompt token left for vLLM to compute. `identity(start, end)` gives the bytes
-        of what else tokens [start, end) depend on (see tutti.engine.keys)."""
+        of what else tokens [start, end) depend on (see tutti.engine.keys).
+
+        A prompt ending exactly on a stored chunk's end (an exact repeat) may load that chunk too,
+        all but its last block (`_tail`): vLLM then computes block_size tokens instead of a chunk."""
         r = self._request(req_id, tokens, identity)
         self._backlog -= r.in_backlog  # looked up again (it waited for room): not queued ahead of itself
         r.in_backlog = 0
+        r.tail = False
         usable = (len(tokens) - 1) // self.chunk_tokens
         r.hit_sources = self._locate(r.keys[:usable])
         if self.state_groups:  # the hit ends on the last chunk whose state is stored too
@@ -238,6 +243,12 @@ class Planner:
         if self.state_groups and take < found:  # a shorter hit must end on a chunk whose state is stored
             take = 0
         r.declined = found - take  # counted once vLLM allocates (it may look a request up again)
+        extra = self._tail(r, len(tokens), usable, num_computed_tokens + take, max_load_tokens)
+        if extra:
+            r.tail = True
+            take += extra
+            if not r.load_async and not self.asynchronous and self.can_load_async:
+                self._step_sync_bytes += int(extra * self.slot_bytes / self.chunk_tokens)
         r.in_backlog = len(tokens) - num_computed_tokens - take
         self._backlog += r.in_backlog
         if take <= 0:
@@ -246,6 +257,25 @@ class Planner:
         r.hit_chunks = (num_computed_tokens + take) // self.chunk_tokens
         r.computed = num_computed_tokens + take
         return take
+
+    def _tail(self, r: _Request, n_tokens: int, usable: int, end: int, max_load_tokens: int | None) -> int:
+        """Tokens a hit ending at `end` grows by into the prompt's last chunk: all of it but the
+        last block, which vLLM computes (it needs a token to compute, and tutti loads whole
+        blocks). Only where the prompt ends on that chunk's end, the hit took every chunk before
+        it (the policy chose among chunk boundaries and took all) and the chunk is stored; never
+        for hybrid or state models (one block list, no state to end on). 0: no tail."""
+        extra = self.chunk_tokens - self.block_size
+        if (self.num_groups != 1 or self.state_groups or self.blocks_per_chunk < 2 or n_tokens % self.chunk_tokens
+                or usable == 0 or end != usable * self.chunk_tokens or len(r.hit_sources) != usable
+                or len(r.keys) <= usable):
+            return 0
+        if max_load_tokens is not None and end + extra - r.local_computed > max_load_tokens:
+            return 0
+        where = self._locate(r.keys[usable:usable + 1])
+        if not where:
+            return 0
+        r.hit_sources.append(where[0])
+        return extra
 
     def sync_budget_bytes(self, step_s: float = 0.0) -> float | None:
         """The bytes one step may load layer-wise now (None: no budget, or not measured yet); "auto":
@@ -386,11 +416,31 @@ class Planner:
             r.loads.append(LoadChunk(req_id, skey, slot, self._chunk_blocks(r, last - 1, state=True), 0, source))
             self._hold(skey, source, slot)
             r.stored_state_upto = max(r.stored_state_upto, last)
+        if r.tail and self._plan_tail(r, last, r.local_computed + num_external_tokens):
+            last += 1  # the prompt's last chunk, stored already: never stored again
         r.next_store_chunk = max(r.next_store_chunk, last)
 
+    def _plan_tail(self, r: _Request, c: int, end: int) -> bool:
+        """The load of chunk `c`, the prompt's last, up to token `end` (its last block is vLLM's to
+        compute); False when the allocated hit does not reach into it."""
+        keep = (end - c * self.chunk_tokens) // self.block_size
+        skip = max(0, r.local_computed - c * self.chunk_tokens) // self.block_size
+        if c >= len(r.hit_sources) or not 0 < keep < self.blocks_per_chunk or skip >= keep:
+            return False
+        key = r.keys[c]
+        source, slot = r.hit_sources[c]
+        if source is None and self.index.slot_of(key) != slot:
+            raise RuntimeError(f"chunk {c} of request {r.req_id} vanished between lookup and allocation")
+        r.loads.append(LoadChunk(r.req_id, key, slot, self._chunk_blocks(r, c), skip, source, keep_blocks=keep))
+        self._unsent_load_bytes += self._load_bytes(r.loads[-1])
+        self._hold(key, source, slot)
+        return True
+
     def _load_bytes(self, ld: LoadChunk) -> int:
-        return self.slot_bytes * (self.blocks_per_chunk - min(ld.skip_blocks, self.blocks_per_chunk)) \
-            // self.blocks_per_chunk
+        """The bytes of the blocks a load writes (a chunk's share of its slot)."""
+        bpc = self.blocks_per_chunk
+        keep = bpc if ld.keep_blocks is None else min(ld.keep_blocks, bpc)
+        return self.slot_bytes * max(0, keep - min(ld.skip_blocks, bpc)) // bpc
 
     def _drop_unsent(self, loads: Sequence[LoadChunk]) -> None:
         self._unsent_load_bytes = max(0, self._unsent_load_bytes - sum(self._load_bytes(ld) for ld in loads))
