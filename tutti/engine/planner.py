@@ -427,11 +427,18 @@ class Planner:
         skip = max(0, r.local_computed - c * self.chunk_tokens) // self.block_size
         if c >= len(r.hit_sources) or not 0 < keep < self.blocks_per_chunk or skip >= keep:
             return False
+        blocks = self._chunk_blocks(r, c)
+        if len(blocks) < keep:
+            return False
+        # vLLM allocates an asynchronous load's blocks for its external tokens alone (the last
+        # block comes once the request is scheduled): the chunk's list is padded with the null
+        # block, which the load never writes (it ends at keep)
+        blocks += (NULL_BLOCK,) * (self.blocks_per_chunk - len(blocks))
         key = r.keys[c]
         source, slot = r.hit_sources[c]
         if source is None and self.index.slot_of(key) != slot:
             raise RuntimeError(f"chunk {c} of request {r.req_id} vanished between lookup and allocation")
-        r.loads.append(LoadChunk(r.req_id, key, slot, self._chunk_blocks(r, c), skip, source, keep_blocks=keep))
+        r.loads.append(LoadChunk(r.req_id, key, slot, blocks, skip, source, keep_blocks=keep))
         self._unsent_load_bytes += self._load_bytes(r.loads[-1])
         self._hold(key, source, slot)
         return True
