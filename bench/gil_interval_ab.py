@@ -47,7 +47,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from subcase import emit, run_case as run_subcase  # noqa: E402
-from vllm_ttft import bench_engine, make_model, prompt, timed_generate  # noqa: E402
+from vllm_ttft import bench_engine, hit_shape, make_model, prompt, timed_generate  # noqa: E402
 
 # (switch interval, idle_load_wait_s) per run; None: CPython's default interval
 SETTINGS = {
@@ -122,7 +122,7 @@ def run_case(case: str, a) -> dict:
     llm.reset_prefix_cache()
     res["recompute_tokens16"] = list(gen([p], sixteen)[1][0].outputs[0].token_ids)
     llm.reset_prefix_cache()
-    m = (n - 1) // 256 * 256
+    m = hit_shape(n)
     gen([p[:m]], one)
     o = gen([p], sixteen)[1][0]
     res["vllm_prefix_cache_tokens16"] = list(o.outputs[0].token_ids)

@@ -36,7 +36,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from subcase import emit, run_case  # noqa: E402
-from vllm_ttft import bench_engine, make_model, prompt, timed_generate  # noqa: E402
+from vllm_ttft import bench_engine, hit_shape, make_model, prompt, timed_generate  # noqa: E402
 
 
 def drop_caches() -> bool:
@@ -142,7 +142,7 @@ def run_phase(phase: str, a) -> dict:
         # greedy tokens of seeded weights can flip with the compute shape (docs/results/kv_proof.md)
         planner.hit_policy = policies["never"]
         llm.reset_prefix_cache()
-        m = (n - 1) // a.chunk_tokens * a.chunk_tokens
+        m = hit_shape(n, a.chunk_tokens)
         gen([p[:m]], one)
         _, o16 = gen([p], sixteen)
         res[f"vllm_prefix_cache_{n}"] = {"cached": o16[0].num_cached_tokens,

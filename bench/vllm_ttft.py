@@ -158,6 +158,19 @@ def count_syncs(fn):
     return out, counts
 
 
+def hit_shape(n: int, chunk_tokens: int = 256) -> int:
+    """The tokens a full tutti hit of an n-token prompt covers: its whole chunks before the last
+    token, or, for a prompt ending on a chunk's end, all but the last block (the tail hit,
+    tutti.engine.planner). vLLM's own prefix cache holding this many tokens is the reference a hit
+    is compared with: greedy tokens of seeded weights can flip with the compute's shape."""
+    from tutti.demo import on_cuda
+
+    block = 16 if on_cuda() else 32  # bench_engine's block sizes
+    if n % chunk_tokens == 0 and chunk_tokens > block:
+        return n - block
+    return (n - 1) // chunk_tokens * chunk_tokens
+
+
 def bench_engine(model: str, kvt: dict | None, *, max_len: int, gpu_mem: float, eager: bool,
                  kernel_config: bool = True, compilation_config: dict | None = None,
                  batched_tokens: int | None = None, async_scheduling: bool | None = None):
@@ -273,7 +286,7 @@ def run_case(case: str, a) -> dict:
             # chunks (KV of a prefill of them alone) and the rest computed, as a connector's hit
             # computes it; greedy tokens of seeded weights can flip with the compute shape
             llm.reset_prefix_cache()
-            m = (n - 1) // 256 * 256
+            m = hit_shape(n)
             gen([p[:m]], one)
             _, o5 = gen([p], sixteen)
             res["lengths"][str(n)].update(shape_ref_tokens16=list(o5[0].outputs[0].token_ids),
