@@ -127,7 +127,9 @@ def run_phase(phase: str, a) -> dict:
                 d = planner.stats.since(before)
                 llm.reset_prefix_cache()
                 drop_caches()
+                before16 = planner.stats.copy()
                 _, o16 = gen([p], sixteen)
+                m16 = int(planner.stats.since(before16)["hit_tokens"])
                 r = res.setdefault(f"{name}_{n}", {"s": [], "loaded_tokens": [], "declined_tokens": []})
                 r["s"].append(round(t, 4))
                 progress(f"{name} {n}: {t:.3f} s, {int(d['hit_tokens'])} tokens loaded")
@@ -135,22 +137,38 @@ def run_phase(phase: str, a) -> dict:
                 r["declined_tokens"].append(int(d["declined_hit_tokens"]))
                 r["cached"] = o[0].num_cached_tokens
                 r["tokens16"] = list(o16[0].outputs[0].token_ids)
+                r["tokens16_loaded"] = m16  # the shape its tokens were computed in
                 r["rates"] = {"load_GBps": planner.meter.load_rate and round(planner.meter.load_rate / 1e9, 3),
                               "prefill_tok_s": planner.meter.prefill_rate and round(planner.meter.prefill_rate)}
-        # the reference in the hit's shape: vLLM's own prefix cache holding the same prefix (its
+        # the reference in each hit's shape: vLLM's own prefix cache holding the same prefix (its
         # KV from a prefill of the prefix alone) and the rest computed, as a loaded hit computes it;
-        # greedy tokens of seeded weights can flip with the compute shape (docs/results/kv_proof.md)
+        # greedy tokens of seeded weights can flip with the compute shape (docs/results/kv_proof.md).
+        # One per shape a policy's tokens were computed in (auto loads part of the hit), and the
+        # full hit's shape.
         planner.hit_policy = policies["never"]
-        llm.reset_prefix_cache()
-        m = hit_shape(n, a.chunk_tokens)
-        gen([p[:m]], one)
-        _, o16 = gen([p], sixteen)
-        res[f"vllm_prefix_cache_{n}"] = {"cached": o16[0].num_cached_tokens,
-                                         "tokens16": list(o16[0].outputs[0].token_ids)}
+        shapes = {hit_shape(n, a.chunk_tokens)}
+        shapes |= {res[f"{name}_{n}"]["tokens16_loaded"] for name in a.policies.split(",")
+                   if res.get(f"{name}_{n}", {}).get("tokens16_loaded")}
+        refs = res[f"vllm_prefix_cache_{n}"] = {}
+        for m in sorted(shapes):
+            llm.reset_prefix_cache()
+            gen([p[:m]], one)
+            _, o16 = gen([p], sixteen)
+            refs[str(m)] = {"cached": o16[0].num_cached_tokens, "tokens16": list(o16[0].outputs[0].token_ids)}
     if rec is not None:
         res["gil"] = rec.stop()
     res["stats"] = dict(vars(planner.stats))
     return res
+
+
+def same_shape(r: dict, refs: dict) -> bool | None:
+    """Do a policy's tokens equal vLLM's own prefix cache holding as many tokens as that policy
+    loaded? None where nothing was loaded (recompute is then its own reference)."""
+    m = r.get("tokens16_loaded")
+    if not m:
+        return None
+    ref = refs.get(str(m))
+    return ref is not None and r["tokens16"] == ref["tokens16"]
 
 
 def summarize(store: dict, hit: dict, lengths, policies) -> list[dict]:
@@ -167,8 +185,7 @@ def summarize(store: dict, hit: dict, lengths, policies) -> list[dict]:
             rows.append({"tokens": n, "policy": name, "s": best, "x_recompute": base and round(best / base, 3),
                          "loaded": r["loaded_tokens"][-1], "declined": r["declined_tokens"][-1],
                          "tokens_equal_recompute": r["tokens16"] == never.get("tokens16"),
-                         "tokens_equal_vllm_prefix_cache_same_shape":
-                             r["tokens16"] == hit.get(f"vllm_prefix_cache_{n}", {}).get("tokens16"),
+                         "tokens_equal_vllm_prefix_cache_same_shape": same_shape(r, hit.get(f"vllm_prefix_cache_{n}", {})),
                          "tokens_equal_first_prefill": r["tokens16"] == ref})
     return rows
 
