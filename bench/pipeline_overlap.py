@@ -16,11 +16,13 @@ Runs on the CPU too (small sizes, synchronous kernels), where overlap is not exp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -51,9 +53,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--matmul", type=int, default=0, help="matmul size; 0 = calibrate to balance with IO")
+    ap.add_argument("--gil-spin", action="store_true",
+                    help="a thread spins in Python through every timed step (vLLM's engine loop beside a load): "
+                         "do reads slow down when the reaper and the step wait for the GIL?")
+    ap.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval for the run (0: leave it)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
 
+    if a.switch_interval:
+        sys.setswitchinterval(a.switch_interval)
+    spin = Spinner() if a.gil_spin else None
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     es = torch.empty((), dtype=dtype).element_size()
@@ -89,6 +98,10 @@ def main(argv=None) -> dict:
 
     def step(compute, io, x=None, wmat=None) -> tuple[float, float]:
         sync(dev)
+        with spin or contextlib.nullcontext():
+            return _step(compute, io, x, wmat)
+
+    def _step(compute, io, x=None, wmat=None) -> tuple[float, float]:
         t0 = time.perf_counter()
         host = 0.0
         if io:
@@ -137,7 +150,7 @@ def main(argv=None) -> dict:
         "backend": w.queue.caps().backend, "kernel": w.kernel.name, "matmul": m, "root": a.root,
         "io_s": statistics.median(io_t), "compute_s": statistics.median(comp), "wall_s": statistics.median(wall),
         "host_start_step_ms_per_request": 1e3 * statistics.median(hosts) / a.chunks,
-        "failed_blocks": len(failed),
+        "failed_blocks": len(failed), "gil_spin": a.gil_spin, "switch_interval": sys.getswitchinterval(),
     }
     res["overlap_efficiency"] = max(res["io_s"], res["compute_s"]) / res["wall_s"]
     res["load_GBps"] = res["bytes_per_step"] / res["io_s"] / 1e9
@@ -148,6 +161,29 @@ def main(argv=None) -> dict:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
     return res
+
+
+class Spinner:
+    """A thread that runs Python while the context is open (vLLM's engine loop, busy beside a step)."""
+
+    def __init__(self) -> None:
+        self._on = threading.Event()
+        self._stop = False
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._on.wait()
+            n = 0
+            while self._on.is_set():
+                n += 1  # pure Python: holds the GIL until the interpreter switches
+
+    def __enter__(self) -> "Spinner":
+        self._on.set()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._on.clear()
 
 
 if __name__ == "__main__":
