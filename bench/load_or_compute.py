@@ -20,6 +20,8 @@ cache. Two processes per geometry, one engine each:
     python3 bench/load_or_compute.py --out $OUT [--geometry 8b|70b] [--lengths 8192,32768]
     python3 bench/load_or_compute.py --out /tmp/loc --tiny        # the CPU smoke run
     python3 bench/load_or_compute.py --out $OUT --no-async-scheduling   # hits layer-wise, overlapped
+    python3 bench/load_or_compute.py --out $OUT --no-async-scheduling --trace \
+        --hit-extras '[{}, {"gil_switch_interval_s": 0.0005}]'   # an A/B of hit phases, per-layer timelines
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def run_phase(phase: str, a) -> dict:
     from tutti.engine.hit_policy import Always, CostModel, Never
     from tutti.vllm import compat
 
+    if a.trace:
+        os.environ["TUTTI_TRACE"] = "1"  # read when the worker is built (in this process)
     t0 = time.time()
 
     def progress(what: str) -> None:  # kept by the driver also when the phase runs out of time
@@ -106,7 +110,8 @@ def run_phase(phase: str, a) -> dict:
         res["stats"] = dict(vars(planner.stats))
         return res
     # the hit phase: a server that has served one prompt (its prefill rate measured)
-    gen([prompt(4242, min(4096, max(a.lengths)), vocab)], one)
+    # a prompt no earlier hit phase stored (each phase measures the prefill rate by computing it)
+    gen([prompt(4241 + a.phase_index, min(4096, max(a.lengths)), vocab)], one)
     rates0 = {"load_GBps": planner.meter.load_rate and round(planner.meter.load_rate / 1e9, 3),
               "prefill_tok_s": planner.meter.prefill_rate and round(planner.meter.prefill_rate)}
     res["rates_before_hits"] = rates0
@@ -123,8 +128,11 @@ def run_phase(phase: str, a) -> dict:
                 llm.reset_prefix_cache()
                 res.setdefault("dropped_caches", drop_caches())
                 before = planner.stats.copy()
+                if worker.trace is not None:
+                    worker.trace.clear()
                 t, o = gen([p], one)
                 d = planner.stats.since(before)
+                timeline = layer_timeline(worker) if worker.trace is not None else None
                 llm.reset_prefix_cache()
                 drop_caches()
                 before16 = planner.stats.copy()
@@ -138,6 +146,8 @@ def run_phase(phase: str, a) -> dict:
                 r["cached"] = o[0].num_cached_tokens
                 r["tokens16"] = list(o16[0].outputs[0].token_ids)
                 r["tokens16_loaded"] = m16  # the shape its tokens were computed in
+                if timeline is not None:
+                    r["timeline"] = timeline  # of the last repeat
                 r["rates"] = {"load_GBps": planner.meter.load_rate and round(planner.meter.load_rate / 1e9, 3),
                               "prefill_tok_s": planner.meter.prefill_rate and round(planner.meter.prefill_rate)}
         # the reference in each hit's shape: vLLM's own prefix cache holding the same prefix (its
@@ -159,6 +169,32 @@ def run_phase(phase: str, a) -> dict:
         res["gil"] = rec.stop()
     res["stats"] = dict(vars(planner.stats))
     return res
+
+
+def layer_timeline(worker) -> dict:
+    """Per layer of the last step that loaded, in ms after the load's start: on the host the first
+    read submitted, the last read landed and the layer made ready (the forward past its wait); on
+    CUDA the load stream's scatter done and the compute stream past the layer's wait. Where the
+    compute waits on "loaded" the disk (or the host before it) is the step's bottleneck."""
+    trace = list(worker.trace or ())
+    starts = [i for i, (what, _, _) in enumerate(trace) if what == "start"]
+    if not starts:
+        return {}
+    t0 = trace[starts[-1]][2]
+    host: dict[int, dict[str, float]] = {}
+    for what, layer, t in trace[starts[-1] + 1:]:
+        if layer < 0:
+            continue
+        h = host.setdefault(layer, {})
+        ms = round(1e3 * (t - t0), 3)
+        if what == "read":
+            h.setdefault("read", ms)  # the first
+        else:
+            h[what] = ms  # io_done: the last; ready: once
+    gpu: dict[int, dict[str, float]] = {}
+    for what, layer, ms in worker.loads.gpu_timeline():
+        gpu.setdefault(layer, {})[what] = ms
+    return {"host_ms": {str(k): v for k, v in sorted(host.items())}, "gpu_ms": {str(k): v for k, v in sorted(gpu.items())}}
 
 
 def same_shape(r: dict, refs: dict) -> bool | None:
@@ -193,6 +229,7 @@ def summarize(store: dict, hit: dict, lengths, policies) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", default="")
+    ap.add_argument("--phase-index", type=int, default=1, help=argparse.SUPPRESS)  # the warm-up prompt's seed
     ap.add_argument("--out", default="/tmp/load_or_compute")
     ap.add_argument("--py-spy", default="", help="sample who holds the GIL in the hit phase's process during its hits "
                     "(py-spy --gil; 'auto' finds it on PATH or in .gpu_pytest/bin); off by default")
@@ -209,6 +246,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tutti-extra", default="{}", help="more kv_connector_extra_config keys, as JSON")
     ap.add_argument("--timeout", type=int, default=280)
+    ap.add_argument("--hit-extras", default="[{}]",
+                    help="JSON list: one hit phase per entry (a fresh server each, same store), its keys merged "
+                         "over --tutti-extra: an A/B of a knob on one machine's disk in one call, e.g. "
+                         "'[{}, {\"gil_switch_interval_s\": 0.0005}]'")
+    ap.add_argument("--trace", action="store_true",
+                    help="TUTTI_TRACE in the hit phase: each policy's last hit keeps a per-layer timeline (host: "
+                         "reads submitted, landed, layer ready; CUDA: scatter done, compute past its wait; ms)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="vLLM's synchronous scheduler: tutti's async_loads auto then loads hits layer-wise, "
                          "overlapped with the suffix's compute (the mode where a hit can beat recompute)")
@@ -234,25 +278,35 @@ def main() -> None:
     shutil.rmtree(a.root, ignore_errors=True)
     out: dict = {"geometry": a.geometry, "lengths": a.lengths, "batched_tokens": a.batched_tokens,
                  "async_scheduling": not a.no_async_scheduling, "phases": {}}
-    for phase in ("store", "hit"):
+    hit_extras = json.loads(a.hit_extras)
+    if not isinstance(hit_extras, list) or not hit_extras or not all(isinstance(x, dict) for x in hit_extras):
+        raise SystemExit(f"--hit-extras {a.hit_extras!r}: expected a JSON list of objects, e.g. '[{{}}]'")
+    out["hit_extras"] = hit_extras
+    phases = [("store", "store", {})] + [("hit", "hit" if i == 0 else f"hit_{i}", x) for i, x in enumerate(hit_extras)]
+    for phase, name, extra in phases:
         if phase == "hit":
             out["dropped_caches"] = drop_caches()
         cmd = [sys.executable, __file__, "--phase", phase, "--model", a.model, "--root", a.root,
                "--capacity", a.capacity, "--lengths", ",".join(map(str, a.lengths)),
                "--chunk-tokens", str(a.chunk_tokens), "--batched-tokens", str(a.batched_tokens),
                "--gpu-mem", str(a.gpu_mem), "--policies", a.policies, "--repeats", str(a.repeats),
-               "--tutti-extra", a.tutti_extra, "--out", a.out, "--py-spy", a.py_spy] + \
-            (["--tiny"] if a.tiny else []) + (["--no-async-scheduling"] if a.no_async_scheduling else [])
+               "--tutti-extra", json.dumps({**json.loads(a.tutti_extra), **extra}), "--out", a.out,
+               "--py-spy", a.py_spy, "--phase-index", str(len(out["phases"]))] + \
+            (["--tiny"] if a.tiny else []) + (["--no-async-scheduling"] if a.no_async_scheduling else []) + \
+            (["--trace"] if a.trace and phase == "hit" else [])
         r, err = run_case(cmd, timeout=a.timeout, marker="PHASE_RESULT", progress="LOC_PROGRESS")
         r["tutti_log"] = [l[-400:] for l in err.splitlines() if "tutti" in l and "ready" in l][-4:]
-        out["phases"][phase] = r
-        print(f"LOC {phase} " + json.dumps({k: v for k, v in r.items() if k not in ("tutti_log",)})[:3000], flush=True)
+        r["extra"] = extra
+        out["phases"][name] = r
+        print(f"LOC {name} " + json.dumps({k: v for k, v in r.items() if k not in ("tutti_log",)})[:3000], flush=True)
         if "error" in r:
             break
-    if "error" not in out["phases"].get("hit", {"error": 1}):
-        out["summary"] = summarize(out["phases"]["store"], out["phases"]["hit"], a.lengths, a.policies.split(","))
-        for row in out["summary"]:
-            print("LOC_ROW " + json.dumps(row), flush=True)
+    for _, name, extra in phases[1:]:
+        if "error" not in out["phases"].get(name, {"error": 1}):
+            rows = summarize(out["phases"]["store"], out["phases"][name], a.lengths, a.policies.split(","))
+            out["summary" if name == "hit" else f"summary_{name}"] = rows
+            for row in rows:
+                print("LOC_ROW " + json.dumps({"phase": name, **row, **({"extra": extra} if extra else {})}), flush=True)
     with open(os.path.join(a.out, f"load_or_compute_{a.geometry}.json"), "w") as f:
         json.dump(out, f, indent=1)
     shutil.rmtree(a.root, ignore_errors=True)

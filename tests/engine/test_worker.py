@@ -231,6 +231,38 @@ def test_rolling_read_never_runs_ahead_of_lookahead(tmp_path):
     w.close()
 
 
+def test_a_traced_layer_wise_load_keeps_each_layers_reads_landing_and_readiness_in_order(tmp_path, monkeypatch):
+    """TUTTI_TRACE: the host's timeline of a rolling load (start, reads submitted, reads landed,
+    layer ready), and on CUDA the device's (each layer's scatter done on the load stream, the
+    compute stream past its wait): what a benchmark reads to see whether a step waited for the
+    disk, for the host or for the compute."""
+    monkeypatch.setenv("TUTTI_TRACE", "1")
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst)
+    run_step(w, StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 1, (8, 9)), LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]))
+    assert w.take_failed_blocks() == set()
+    events = [(what, layer) for what, layer, _ in w.trace]
+    assert events[0] == ("start", -1)
+    times = [t for _, _, t in w.trace]
+    assert times == sorted(times)
+    for layer in range(L):
+        at = {what: events.index((what, layer)) for what in ("read", "io_done", "ready")}
+        assert at["read"] < at["io_done"] < at["ready"], (layer, events)
+    gpu = w.loads.gpu_timeline()
+    if DEV == "cpu":
+        assert w.loads.gpu_marks is None and gpu == []
+    else:
+        when = {(what, layer): ms for what, layer, ms in gpu}
+        for layer in range(L):
+            # the compute stream passed layer's wait only after the load stream had scattered it
+            assert when[("compute", layer)] >= when[("loaded", layer)] >= 0.0
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
+    w.close()
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_kth_read_failure_fails_exactly_that_chunks_blocks(tmp_path, k):
     src = make_caches(0)

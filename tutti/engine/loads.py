@@ -120,6 +120,10 @@ class LoadPipeline:
         self._pool_sized, self._pool_size = False, 0
         self._pool_taken: torch.Tensor | None = None
         self.trace: list[tuple[str, int, float]] | None = None
+        # (what, layer, CUDA event) of the last step that loaded: "start" (the compute stream at
+        # start), "loaded" (the load stream past a layer's scatter), "compute" (the compute stream
+        # past a layer's wait); None = off (TUTTI_TRACE on CUDA sets it; gpu_timeline reads it)
+        self.gpu_marks: list[tuple[str, int, object]] | None = None
 
     # ---------------------------------------------------------------- step
     def start(self, loads: list[LoadChunk], *, layerwise: bool, file_path: bool = True) -> None:
@@ -153,6 +157,11 @@ class LoadPipeline:
         if not self._loads:
             return
         self._t0 = time.perf_counter()
+        if self.trace is not None and len(self.trace) < 100_000:
+            self.trace.append(("start", -1, self._t0))
+        if self.gpu_marks is not None:
+            self.gpu_marks.clear()
+            self._gpu_mark("start", -1, torch.cuda.current_stream(ctx.device))
         self._bytes = 0
         self._waited, self._layerwise = 0.0, layerwise
         self._stall_bytes, self._stall_end = 0, None
@@ -301,9 +310,30 @@ class LoadPipeline:
                 ev = self._layer_events.pop(l)  # the load stream is in order: the last one covers the rest
             if ev is not None:
                 torch.cuda.current_stream(self.ctx.device).wait_event(ev)
+            if self.gpu_marks is not None:
+                self._gpu_mark("compute", layer, torch.cuda.current_stream(self.ctx.device))
         self._waited += time.perf_counter() - t_wait
         if self.trace is not None and len(self.trace) < 100_000:
             self.trace.append(("ready", layer, time.perf_counter()))
+
+    def _gpu_mark(self, what: str, layer: int, stream) -> None:
+        if len(self.gpu_marks) < 10_000:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(stream)
+            self.gpu_marks.append((what, layer, ev))
+
+    def gpu_timeline(self) -> list[tuple[str, int, float]]:
+        """(what, layer, ms after "start") of the last step that loaded, from its CUDA events.
+        Waits for them: for benchmarks, after the step, never on the serving path."""
+        marks = list(self.gpu_marks or ())
+        if not marks or marks[0][0] != "start":
+            return []
+        start = marks[0][2]
+        out = []
+        for what, layer, ev in marks[1:]:
+            ev.synchronize()
+            out.append((what, layer, round(start.elapsed_time(ev), 3)))
+        return out
 
     def after_layer(self, layer: int) -> None:
         if self._items:
@@ -614,6 +644,8 @@ class LoadPipeline:
                     stalled = True
                 except OSError as exc:
                     errors[fut.request.tag] = exc
+        if self.trace is not None and len(self.trace) < 100_000:
+            self.trace.append(("io_done", item.layer, time.perf_counter()))
         good: list[tuple[int, LoadChunk]] = []
         for i, ld in enumerate(item.chunks):
             if ld.key in self._failed_keys:
@@ -649,6 +681,8 @@ class LoadPipeline:
                     ev = torch.cuda.Event()
                     ev.record(self.stream)
                     self._layer_events[item.layer] = ev
+                    if self.gpu_marks is not None:
+                        self._gpu_mark("loaded", item.layer, self.stream)
             self._bytes += len(good) * seg
         if blocked:
             self._stall_bytes, self._stall_end = self._bytes, time.perf_counter()

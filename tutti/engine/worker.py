@@ -125,6 +125,8 @@ class WorkerPipeline:
         # to see the rolling load next to compute; bounded, off by default.
         self.trace: list[tuple[str, int, float]] | None = [] if os.environ.get("TUTTI_TRACE") else None
         self.loads.trace = self.trace
+        # and on CUDA the device's side of the last layer-wise load (LoadPipeline.gpu_timeline)
+        self.loads.gpu_marks = [] if self.trace is not None and self.ctx.cuda else None
 
     def _launches_async_on_step(self, cfg: EngineConfig, store) -> bool:
         """EngineConfig.async_launch: the step's thread launches asynchronous loads where nothing
