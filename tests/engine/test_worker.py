@@ -521,6 +521,103 @@ class StallingQueue(RecordingQueue):
         self.held = []
 
 
+class ShallowGatedQueue(WrappedQueue):
+    """A real queue that takes at most `depth` requests in flight (a full queue refuses the rest, as
+    io_uring's does) and holds the reads of `gated` layers back from the file until open() (a disk
+    busy with them): what a full queue looks like to the forward thread."""
+
+    def __init__(self, inner, depth, gated, layer_of):
+        super().__init__(inner)
+        import threading
+
+        self.depth, self.gated, self.layer_of = depth, set(gated), layer_of
+        self.cond = threading.Condition()
+        self.in_flight = self.completed = self.polled = 0
+        self.held = []  # (request, its future) not yet handed to the file
+
+    def caps(self):
+        import dataclasses
+
+        return dataclasses.replace(self.inner.caps(), queue_depth=self.depth, max_in_flight=self.depth)
+
+    def _landed(self, _fut):
+        with self.cond:
+            self.in_flight -= 1
+            self.completed += 1
+            self.cond.notify_all()
+
+    def _send(self, req, out):
+        inner = self.inner.submit([req])[0]
+        inner.add_done_callback(lambda f, out=out: out.set_exception(f._error) if f._error is not None
+                                else out.set_result(f._result))
+
+    def submit(self, requests):
+        from tutti.io.queue import IOFuture
+
+        with self.cond:
+            room = max(0, self.depth - self.in_flight)
+            taken = list(requests)[:room]
+            self.in_flight += len(taken)
+        outs = []
+        for r in taken:
+            out = IOFuture(r)
+            out.add_done_callback(self._landed)
+            outs.append(out)
+            if r.op == "read" and self.layer_of(r.offset) in self.gated:
+                self.held.append((r, out))
+            else:
+                self._send(r, out)
+        return outs
+
+    def poll(self, timeout=0.0):
+        with self.cond:
+            if self.completed == self.polled and timeout:
+                self.cond.wait_for(lambda: self.completed != self.polled, timeout)
+            n, self.polled = self.completed - self.polled, self.completed
+            return n
+
+    def open(self):
+        self.gated = set()
+        held, self.held = self.held, []
+        for r, out in held:
+            self._send(r, out)
+
+
+def test_a_full_io_queue_never_holds_up_a_layer_whose_reads_have_landed(tmp_path):
+    """The forward thread submits later layers' reads as it goes (lookahead); a full IO queue takes
+    them later, on its own time: layer 0, whose reads have landed, is ready although the queue is
+    full of layer 1 and 2 reads that the disk has not served yet (before, wait_layer(0) waited for
+    room for layer 2's reads, i.e. for the disk to serve layer 1 first)."""
+    import threading
+
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, lookahead=2)
+    seg = geometry().segment_bytes
+    w.queue = q = ShallowGatedQueue(w.queue, depth=3, gated={1, 2},
+                                    layer_of=lambda off: (off % geometry().slot_bytes) // seg)
+    loads = [LoadChunk("q", bytes([0]) * 32, 1, (8, 9)), LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]
+    w.start_step(StepPlan(2, loads=loads))
+    t = threading.Thread(target=w.wait_layer, args=(0,), daemon=True)
+    t.start()
+    t.join(10)
+    layer0_waited = t.is_alive()
+    q.open()  # the disk serves layers 1 and 2 (and lets a waiting forward thread go)
+    t.join(10)
+    assert not layer0_waited, "layer 0 waited for room in the queue for later layers' reads"
+    assert torch.equal(dst[0][[8, 9, 10, 11]], src[0][[0, 1, 2, 3]])  # layer 0 ready before the gate opened
+    w.save_layer(0)
+    for layer in range(1, L):
+        w.wait_layer(layer)
+        w.save_layer(layer)
+    w.end_step()
+    assert w.take_failed_blocks() == set()
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
+    w.close()
+
+
 def test_a_stalled_read_fails_its_chunk_and_never_hangs_the_step(tmp_path):
     src = make_caches(0)
     store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])
@@ -1045,9 +1142,9 @@ def test_a_whole_load_keeps_later_layers_reads_in_flight(tmp_path):
     seen = []
     real = w.loads._process
 
-    def process(item):
+    def process(item, *args):
         seen.append((item.layer, w.loads._next_submit))
-        return real(item)
+        return real(item, *args)
 
     w.loads._process = process
     try:

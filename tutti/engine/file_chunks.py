@@ -271,8 +271,8 @@ class _ChunkReader:
             late = [entry for half in stuck for entry in half.late]
             futures = [f for futures, _, _ in late for f in futures]
             pinned = [(store, slot) for _, store, slot in late]
-            lp._stragglers.append((_Item(-1, [], [], held[0], futures, pinned, more_slots=held[1:]),
-                                   after))
+            lp._stragglers.append((_Item(-1, [], [], slot=held[0], futures=futures, pinned=pinned,
+                                         more_slots=held[1:]), after))
         if self.last_event is not None:
             lp._whole_ready = self.last_event  # later on the load stream than any mapped copy
         lp._whole_pending = True

@@ -2,7 +2,9 @@
 
 Layer-wise (eager and PIECEWISE CUDA-graph steps): reads for the first `lookahead` layers go
 out when the step starts, each layer's hook moves the window one layer on, and the compute
-stream waits on one event per layer, so storage traffic hides behind compute.
+stream waits on one event per layer, so storage traffic hides behind compute. A full IO queue
+takes the window's later reads when it has room (`_send_unsent`, topped up from the hooks and
+while a layer's own reads land): the forward thread waits for room only for the layer it awaits.
 Whole (a FULL CUDA-graph step, where vLLM replays the forward without per-layer hooks, and every
 asynchronous load on tutti's loading thread): every layer is read and scattered before start()
 returns, and the compute stream waits once. Such a load goes chunk-major: from mapped slabs one
@@ -25,6 +27,7 @@ reports only the blocks it would have written.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from contextlib import nullcontext
@@ -40,7 +43,7 @@ from tutti.engine.mapped_loads import load_mapped
 from tutti.engine.plan import LoadChunk
 from tutti.engine.staging import StagingRing, StagingSlot
 from tutti.format import segment_bytes, token_span
-from tutti.io.queue import READ, IOFuture, IORequest, submit_all
+from tutti.io.queue import READ, IOFuture, IORequest
 
 
 @dataclass
@@ -55,6 +58,7 @@ class _Item:
     pinned: list[tuple[object, int]] = field(default_factory=list)  # (store, slot) whose slab descriptors reads hold
     mapped: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk index -> its segment in a mapped slab
     more_slots: list[StagingSlot] = field(default_factory=list)  # the rest of the ring (a chunk-major load's straggler)
+    unsent: list[IORequest] = field(default_factory=list)  # reads a full queue has not taken yet
 
 
 DETACHED_JOBS = 32  # detached jobs in flight at once (each keeps a pinned verdict buffer); more wait on the thread
@@ -99,6 +103,10 @@ class LoadPipeline:
         self._items: list[_Item] = []
         self._next_submit = 0
         self._next_process = 0
+        # items whose reads a full IO queue has not all taken, in submission order: topped up as
+        # the queue frees room, never waited for on the forward's behalf except by the item it awaits
+        self._unsent: collections.deque[_Item] = collections.deque()
+        self._room_waited = False  # the item awaited waited for room in the queue (a stall on reads)
         self._layer_events: dict[int, object] = {}
         self._bad: torch.Tensor | None = None  # bool [loads, layers] on the device: checksum mismatches
         self._bad_host: torch.Tensor | None = None
@@ -133,6 +141,7 @@ class LoadPipeline:
         self.resolve()  # the last step's verdicts, if nobody asked for them
         self._items, self._loads, self._sums = [], [], []
         self._next_submit = self._next_process = 0
+        self._unsent.clear()
         self._layer_events = {}
         self._whole_ready, self._whole_pending = None, False
         bad_writers: dict[str, Exception] = {}
@@ -301,8 +310,9 @@ class LoadPipeline:
         horizon = layer + self.ahead if self._layerwise else self.ctx.num_layers
         with nvtx_range("load_wait", layer):
             while self._next_process < len(self._items) and self._items[self._next_process].layer <= layer:
-                self._pump(max(horizon, self._items[self._next_process].layer))
-                self._process(self._items[self._next_process])
+                item = self._items[self._next_process]
+                self._pump(max(horizon, item.layer))
+                self._process(item, self._await_sent(item))
                 self._next_process += 1
             self._pump(layer + self.ahead)
             ev = None
@@ -552,8 +562,10 @@ class LoadPipeline:
         the compute stream waits for whatever the load stream queued, so nothing of it lands on
         blocks after vLLM recomputes them; the next start() finds a clean pipeline."""
         for item in self._items[self._next_process:]:
+            item.unsent = []  # never sent now
             if item.slot is not None:
                 self._stragglers.append((item, None))
+        self._unsent.clear()
         if self.ctx.cuda:
             torch.cuda.current_stream(self.ctx.device).wait_stream(self.stream)
         self._items, self._loads, self._sums = [], [], []
@@ -575,6 +587,10 @@ class LoadPipeline:
         ctx = self.ctx
         if self._stragglers:
             self._reap_stragglers()
+        if not self._send_unsent():
+            return  # the queue is full: later items wait their turn
+        # an item failed before it was pumped (no slot came in time) is never read afterwards
+        self._next_submit = max(self._next_submit, self._next_process)
         while self._next_submit < len(self._items):
             item = self._items[self._next_submit]
             if item.layer > max_layer:
@@ -602,13 +618,34 @@ class LoadPipeline:
                     continue
                 item.pinned.append((store, ld.slot))
                 reqs.append(IORequest(fd, off, self.ring.buffer, slot.offset + i * ctx.seg, ctx.seg, READ, tag=i))
+            item.unsent = reqs
+            self._unsent.append(item)
+            self._next_submit += 1
             with nvtx_range("read", item.layer):
-                item.futures = submit_all(ctx.queue, reqs)
-            if ctx.reads is not None and item.futures:
-                ctx.reads.track(item.futures)  # the stores' writes yield until these land
+                sent = self._send_unsent()
             if self.trace is not None and len(self.trace) < 100_000:
                 self.trace.append(("read", item.layer, time.perf_counter()))
-            self._next_submit += 1
+            if not sent:
+                return
+
+    def _send_unsent(self) -> bool:
+        """Hand the queue what it takes now of the items' reads not yet sent, oldest first; never
+        waits for room (the forward thread calls this: a full queue must not hold up a layer whose
+        reads have landed). True when nothing is left unsent."""
+        ctx = self.ctx
+        while self._unsent:
+            item = self._unsent[0]
+            if item.unsent:
+                taken = ctx.queue.submit(item.unsent)
+                if taken:
+                    item.futures.extend(taken)
+                    if ctx.reads is not None:
+                        ctx.reads.track(taken)  # the stores' writes yield until these land
+                    item.unsent = item.unsent[len(taken):]
+                if item.unsent:
+                    return False
+            self._unsent.popleft()
+        return True
 
     def _mapped(self, ld: LoadChunk, layer: int) -> torch.Tensor | None:
         try:
@@ -624,7 +661,28 @@ class LoadPipeline:
         else:
             slot.host[i * seg:(i + 1) * seg].copy_(src)
 
-    def _process(self, item: _Item) -> None:
+    def _await_sent(self, item: _Item) -> float:
+        """Before the forward waits on `item`: it has its slot and the queue has taken all its reads.
+        The one place a full queue is waited for on the forward's behalf: it needs these reads now.
+        Returns the deadline its reads share (io_timeout_s from now)."""
+        deadline = time.monotonic() + self.ctx.cfg.io_timeout_s
+        self._room_waited = False
+        while True:
+            if item.slot is None:
+                self._pump(item.layer)  # older unsent reads first; stops at a full queue or no free slot
+            elif item.unsent:
+                self._send_unsent()
+            if item.slot is not None and not item.unsent:
+                return deadline
+            if item.slot is None and not self._unsent:
+                return deadline  # no load slot free, the queue not full: _process fails it
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return deadline  # _process fails what was not sent
+            self._room_waited = True  # the forward waits on the storage (the read-rate sample counts it)
+            self.ctx.queue.poll(min(0.05, left))
+
+    def _process(self, item: _Item, deadline: float | None = None) -> None:
         ctx, seg = self.ctx, self.ctx.seg
         slot = item.slot
         if slot is None:  # every load slot is held by reads that missed their deadline
@@ -633,10 +691,22 @@ class LoadPipeline:
             return
         errors = {}
         stalled = False
-        blocked = self._layerwise and any(not f.done() for f in item.futures)
-        deadline = time.monotonic() + ctx.cfg.io_timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + ctx.cfg.io_timeout_s
+        blocked = self._layerwise and (self._room_waited or any(not f.done() for f in item.futures))
+        self._room_waited = False
+        if item.unsent:  # never sent (_await_sent ran out of time): those chunks fail as stalled reads do
+            for r in item.unsent:
+                errors[r.tag] = TimeoutError(f"read of layer {item.layer} not submitted after "
+                                             f"{ctx.cfg.io_timeout_s}s: the IO queue stayed full")
+            stalled = True
+            item.unsent = []
+            if item in self._unsent:
+                self._unsent.remove(item)
         with nvtx_range("io_wait", item.layer):
             for fut in item.futures:
+                if not fut.done():
+                    self._send_unsent()  # later items' reads go out as this one's land
                 try:
                     fut.result(timeout=max(0.0, deadline - time.monotonic()))
                 except TimeoutError as exc:  # a stalled file system: fail the chunk, never hang the step
