@@ -123,6 +123,22 @@ def fixed_share(share: float) -> DriveShare:
     return policy
 
 
+class FrontShare:
+    """`front:X` in --admissions: the first X of every prompt's chunks, the rest never written. Why
+    try it: on a drive slower than prefill the hit policy loads a hit's front and recomputes its
+    back (most hit tokens are declined), so the back's writes take drive time no read ever uses."""
+
+    name = "front"
+
+    def __init__(self, share: float) -> None:
+        if not 0 < share <= 1:
+            raise SystemExit(f"--admissions front:{share}: expected a share in (0, 1]")
+        self.share = share
+
+    def admit(self, c) -> bool:
+        return c.state or c.chunk < max(1, round(self.share * c.prompt_chunks))
+
+
 def run(a, admission: str, seed: int) -> Result:
     clock = Clock()
     hit_policy_mod.time = clock  # the RateMeter's clock: the model's
@@ -135,6 +151,8 @@ def run(a, admission: str, seed: int) -> Result:
             policy = DriveShare(clock=clock)
         elif admission.startswith("share:"):  # a fixed share of the prefixes: the bound of any share policy
             policy = fixed_share(float(admission[len("share:"):]))
+        elif admission.startswith("front:"):  # the front of every prompt: what a slow drive's hits load
+            policy = FrontShare(float(admission[len("front:"):]))
         else:
             policy = get_admission(admission)
         planner = Planner(num_slots=int(a.capacity_chunks), chunk_tokens=a.chunk_tokens, block_size=16,

@@ -45,3 +45,16 @@ def test_a_fixed_share_admits_that_share_of_the_prefixes_and_never_moves(tmp_pat
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "drive_sim.py"), "--admissions", "share:0"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "expected a share in (0, 1]" in bad.stderr
+
+
+def test_a_front_share_writes_only_the_front_of_every_prompt(tmp_path):
+    out = tmp_path / "front.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "drive_sim.py"), "--drive-gbps", "50", "--seeds", "1",
+                    "--num-prefixes", "12", "--repeats", "3", "--admissions", "all,front:0.5,front:1",
+                    "--gpu-cache-chunks", "40", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    rows = {r["admission"]: r for r in json.load(open(out))["rows"]}
+    for k in ("stores_declined", "written_gb", "hit_tokens"):  # front 1 admits what "all" admits
+        assert rows["front:1"][k] == rows["all"][k]
+    # half of every prompt's chunks written; its hits reach no further than that half
+    assert 0 < rows["front:0.5"]["written_gb"] <= 0.55 * rows["all"]["written_gb"]
+    assert 0 < rows["front:0.5"]["hit_tokens"] < rows["all"]["hit_tokens"]
