@@ -2,6 +2,7 @@
 
 import errno
 import os
+import resource
 import warnings
 
 import pytest
@@ -166,7 +167,11 @@ def test_read_from_closed_fd_is_ebadf_naming_the_request(tmp_path, backend):
     path.write_bytes(os.urandom(8192))
     buf = aligned_buffer(8192)
     with open_queue(backend) as q:
-        fd = q.open_file(path)
+        opened = q.open_file(path)
+        # moved to the top of the table before closing: the kernel hands out the lowest free number,
+        # so no other thread of the test run reuses this one between the close and the read
+        fd = os.dup2(opened, min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1)
+        os.close(opened)
         os.close(fd)
         with pytest.raises(OSError):
             os.fstat(fd)  # really closed, not reused
