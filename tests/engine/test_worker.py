@@ -618,6 +618,31 @@ def test_a_full_io_queue_never_holds_up_a_layer_whose_reads_have_landed(tmp_path
     w.close()
 
 
+def test_reads_a_full_queue_never_takes_fail_their_chunks_within_the_timeout(tmp_path):
+    """A queue that stays full (a stalled file system holding its one entry) never hangs the step:
+    the awaited layer's reads it never took fail their chunks at io_timeout_s, as a stalled read
+    does; once the stall clears, the next step loads both chunks."""
+    src = make_caches(0)
+    store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])
+    dst = make_caches(1)
+    w = worker(tmp_path, dst, io_timeout_s=0.2)
+    seg = geometry().segment_bytes
+    w.queue = q = ShallowGatedQueue(w.queue, depth=1, gated={0, 1, 2},
+                                    layer_of=lambda off: (off % geometry().slot_bytes) // seg)
+    loads = [LoadChunk("q", bytes([0]) * 32, 1, (8, 9)), LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]
+    t0 = time.monotonic()
+    run_step(w, StepPlan(2, loads=loads))
+    assert time.monotonic() - t0 < 5
+    assert w.take_failed_blocks() == {8, 9, 10, 11}
+    q.open()  # the stalled read lands; the queue frees its entry
+    q.depth = 8
+    run_step(w, StepPlan(3, loads=loads))
+    assert w.take_failed_blocks() == set()
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
+    w.close()
+
+
 def test_a_stalled_read_fails_its_chunk_and_never_hangs_the_step(tmp_path):
     src = make_caches(0)
     store_chunks(tmp_path, src, [(1, [0, 1]), (2, [2, 3])])
