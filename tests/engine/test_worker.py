@@ -188,6 +188,19 @@ def _wrapped_worker(tmp_path, caches, fail_read=None, **kw):
     return w
 
 
+def finish_two_chunk_load(w, src, dst, first_layer=0):
+    """Run the rest of a step that loads slots 1 and 2 (stored from blocks 0-3) into blocks 8-11,
+    and check every block landed bit exact, none failed."""
+    for layer in range(first_layer, L):
+        w.wait_layer(layer)
+        w.save_layer(layer)
+    w.end_step()
+    assert w.take_failed_blocks() == set()
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
+    w.close()
+
+
 def test_lookahead_auto_reads_as_far_as_the_load_slots_allow(tmp_path):
     """lookahead "auto": read-ahead bounded by staging space, not by a count of layers: with 8 load
     slots and 3 layers of one item each, every layer's reads are out before layer 0 computes."""
@@ -198,14 +211,7 @@ def test_lookahead_auto_reads_as_far_as_the_load_slots_allow(tmp_path):
     seg = geometry().segment_bytes
     w.start_step(StepPlan(2, loads=[LoadChunk("q", bytes([0]) * 32, 1, (8, 9)), LoadChunk("q", bytes([1]) * 32, 2, (10, 11))]))
     assert {(o % geometry().slot_bytes) // seg for _, op, o in w.queue.log if op == "read"} == set(range(L))
-    for layer in range(L):
-        w.wait_layer(layer)
-        w.save_layer(layer)
-    w.end_step()
-    assert w.take_failed_blocks() == set()
-    for s, d in zip(src, dst):
-        assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
-    w.close()
+    finish_two_chunk_load(w, src, dst)
 
 
 def test_rolling_read_never_runs_ahead_of_lookahead(tmp_path):
@@ -608,14 +614,7 @@ def test_a_full_io_queue_never_holds_up_a_layer_whose_reads_have_landed(tmp_path
     assert not layer0_waited, "layer 0 waited for room in the queue for later layers' reads"
     assert torch.equal(dst[0][[8, 9, 10, 11]], src[0][[0, 1, 2, 3]])  # layer 0 ready before the gate opened
     w.save_layer(0)
-    for layer in range(1, L):
-        w.wait_layer(layer)
-        w.save_layer(layer)
-    w.end_step()
-    assert w.take_failed_blocks() == set()
-    for s, d in zip(src, dst):
-        assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
-    w.close()
+    finish_two_chunk_load(w, src, dst, first_layer=1)
 
 
 def test_reads_a_full_queue_never_takes_fail_their_chunks_within_the_timeout(tmp_path):
@@ -636,11 +635,8 @@ def test_reads_a_full_queue_never_takes_fail_their_chunks_within_the_timeout(tmp
     assert w.take_failed_blocks() == {8, 9, 10, 11}
     q.open()  # the stalled read lands; the queue frees its entry
     q.depth = 8
-    run_step(w, StepPlan(3, loads=loads))
-    assert w.take_failed_blocks() == set()
-    for s, d in zip(src, dst):
-        assert torch.equal(d[[8, 9, 10, 11]], s[[0, 1, 2, 3]])
-    w.close()
+    w.start_step(StepPlan(3, loads=loads))
+    finish_two_chunk_load(w, src, dst)
 
 
 def test_a_stalled_read_fails_its_chunk_and_never_hangs_the_step(tmp_path):
