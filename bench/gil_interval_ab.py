@@ -30,7 +30,10 @@ to compute sleeps until an asynchronous load lands instead of returning to the s
 hits load in the step and no step waits unless `--extra '{"async_loads": true}'` makes them
 asynchronous, as they are on a GPU in default mode; then 2 ms made 2k hits 2-4x faster on both
 paths (`docs/results/idle_wait_cpu_async.json`), and on the H200 it took the 32k RAM hit from
-0.160-0.185 s to 0.118-0.126 s (`docs/results/gil_ab_h200_idle_grid.json`): 2 ms is the default.
+0.160-0.185 s to 0.118-0.126 s (`docs/results/gil_ab_h200_idle_grid.json`), when the loading
+thread loaded every hit. Since vLLM's own thread launches a mapped root's loads (`async_launch`),
+the wait was as fast or slower there (single_request.md, sessions 13-14): `auto`, the default,
+is 2 ms where the loading thread loads and 0 where the step's thread launches.
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ def run_case(case: str, a) -> dict:
     for k, (interval, idle) in enumerate(SETTINGS[a.ab]):
         interval = res["switch_interval_default"] if interval is None else interval
         worker.cfg = dataclasses.replace(worker.cfg, idle_load_wait_s=idle)
+        worker.idle_wait_s = idle  # what the worker reads (the config's "auto" resolved at start-up)
         run: dict = {"interval_s": interval, "idle_load_wait_s": idle}
         sys.setswitchinterval(interval)
         for n2, p2 in prompts.items():

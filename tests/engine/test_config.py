@@ -317,11 +317,12 @@ def test_whole_loads_is_chunk_or_layer():
             EngineConfig.from_dict(base(whole_loads=bad))
 
 
-def test_idle_load_wait_is_seconds_or_off():
-    assert EngineConfig.from_dict(base()).idle_load_wait_s == 0.002  # the default
+def test_idle_load_wait_is_seconds_auto_or_off():
+    assert EngineConfig.from_dict(base()).idle_load_wait_s == "auto"  # the default: resolved by the worker
+    assert EngineConfig.from_dict(base(idle_load_wait_s="auto")).idle_load_wait_s == "auto"
     assert EngineConfig.from_dict(base(idle_load_wait_s=0.002)).idle_load_wait_s == 0.002
     assert EngineConfig.from_dict(base(idle_load_wait_s="off")).idle_load_wait_s == 0
     assert EngineConfig.from_dict(base(idle_load_wait_s=0.01)).idle_load_wait_s == 0.01
-    for bad in (-1, 0.5, "auto", True, None):
+    for bad in (-1, 0.5, "soon", True, None):
         with pytest.raises(ValueError, match=r"idle_load_wait_s=.*expected seconds in \[0, 0.05\]"):
             EngineConfig.from_dict(base(idle_load_wait_s=bad))

@@ -1397,6 +1397,22 @@ def test_a_step_without_a_forward_waits_for_its_asynchronous_loads(tmp_path):
     w.close()
 
 
+@pytest.mark.parametrize("launch, given, waits", [("step", "auto", 0.0), ("thread", "auto", 0.002),
+                                                  ("step", 0.01, 0.01), ("thread", "off", 0.0)])
+def test_the_idle_wait_auto_is_for_the_loading_thread_alone(tmp_path, launch, given, waits):
+    """`idle_load_wait_s` "auto" (the default): a step without a forward waits 2 ms where tutti's
+    loading thread loads (it needs the GIL the spinning loop would hold), and not at all where
+    vLLM's own thread launches the loads (nothing waits for the GIL); a value given is kept."""
+    store_chunks(tmp_path, make_caches(0), [(0, [0, 1])])
+    w = worker(tmp_path, make_caches(1), mapped_loads=True, async_loads=True, async_launch=launch,
+               idle_load_wait_s=given)
+    try:
+        assert (w.async_loads.inline is not None) == (launch == "step")
+        assert w.idle_wait_s == waits
+    finally:
+        w.close()
+
+
 def test_async_loads_wait_wakes_when_a_job_lands_and_returns_when_none_is_pending(tmp_path):
     import threading
     import time as _time

@@ -267,12 +267,15 @@ class EngineConfig:
     # for the asynchronous loads in flight, the GIL released, before it returns: vLLM's engine loop
     # would otherwise spin in Python, and every torch call and IO completion of the loading thread
     # waits for the GIL behind it. No forward pass waits (the step has none); a request arriving
-    # meanwhile waits this long at most. 0 ("off") returns at once. 2 ms (the default): on the CPU
-    # machine's real engine with asynchronous loads (bench/gil_interval_ab.py --ab grid --tiny
-    # --extra '{"async_loads": true}', docs/results/idle_wait_cpu_async.json) it made 2k hits 2-4x
-    # faster on both paths: without it the load thread took 330-800 ms to queue 7 chunks, waiting
-    # for the GIL behind the loop; the GPU A/B is that command without --tiny.
-    idle_load_wait_s: Any = 0.002
+    # meanwhile waits this long at most. 0 ("off") returns at once. 2 ms: on the CPU machine's real
+    # engine with asynchronous loads (bench/gil_interval_ab.py --ab grid --tiny --extra
+    # '{"async_loads": true}', docs/results/idle_wait_cpu_async.json) it made 2k hits 2-4x faster on
+    # both paths: without it the load thread took 330-800 ms to queue 7 chunks, waiting for the GIL
+    # behind the loop. "auto" (the default): 2 ms where asynchronous loads run on tutti's loading
+    # thread, 0 where vLLM's own thread launches them (async_launch step: nothing waits for the GIL
+    # from the loop; on the H200 the 8k and 32k RAM hits were as fast or faster without the wait in
+    # 7 of 8 pairs over two sessions, docs/results/single_request.md sessions 13-14).
+    idle_load_wait_s: Any = "auto"
     # How a store reaches a mapped RAM root's slot (stores into maps, tutti.engine.stores):
     # "dma": the writer thread copies a run's chunks from the device staging into the slots'
     # registered mappings, all at once; "dma_chunk": the same, one chunk's copy in flight at a time
@@ -452,6 +455,8 @@ class EngineConfig:
             kw["gil_switch_interval_s"] = v
         if raw.get("idle_load_wait_s") == "off":
             raw["idle_load_wait_s"] = 0
+        if raw.get("idle_load_wait_s") == "auto":
+            raw.pop("idle_load_wait_s")
         for name, choices, what in (
                 ("async_launch", ASYNC_LAUNCHES, "who launches an asynchronous load from a mapped RAM root; "
                                                  "\"auto\" = \"step\" where it can"),
@@ -517,7 +522,7 @@ class EngineConfig:
                                  "\"kv@{host}@{model}\"")
             kw["kv_events_topic"] = v
         for name, lo, hi, example in (("io_timeout_s", 0.001, 3600, "10"), ("follow_interval_s", 0.01, 60, "0.25"),
-                                      ("idle_load_wait_s", 0, 0.05, '0.002 (or "off")')):
+                                      ("idle_load_wait_s", 0, 0.05, '0.002 (or "auto", or "off")')):
             if name in raw:
                 v = raw.pop(name)
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:

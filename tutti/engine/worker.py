@@ -38,6 +38,9 @@ INLINE_GROUP_CHUNKS = 16
 INLINE_GROUP_BYTES = 512 << 20
 
 
+IDLE_WAIT_THREAD_S = 0.002  # idle_load_wait_s "auto" where tutti's loading thread loads (EngineConfig)
+
+
 class WorkerPipeline:
     """Moves bytes between the store's slots and the paged KV cache."""
 
@@ -91,12 +94,17 @@ class WorkerPipeline:
         self.foreign = foreign  # tutti.engine.sharing.ForeignStores (other writers of the namespace)
         self.loads = LoadPipeline(self.ctx, ring, self.journal, self.counters, self._forget, foreign)
         self.async_loads = None
+        # EngineConfig.idle_load_wait_s, resolved ("auto": by who launches asynchronous loads)
+        self.idle_wait_s = IDLE_WAIT_THREAD_S if cfg.idle_load_wait_s == "auto" else float(cfg.idle_load_wait_s)
         if async_slots:
             from tutti.engine.async_loads import AsyncLoads
 
             aring = StagingRing(staging[sync_bytes:load_bytes], slot_bytes, self.ctx.device)
             inline = None
-            if self._launches_async_on_step(cfg, store):
+            on_step = self._launches_async_on_step(cfg, store)
+            if cfg.idle_load_wait_s == "auto":  # the wait lets the loading thread have the GIL
+                self.idle_wait_s = 0.0 if on_step else IDLE_WAIT_THREAD_S
+            if on_step:
                 # device-only room for one job of up to INLINE_GROUP_BYTES (a 4k-token hit of an
                 # 8B model): one copy, one verify and one scatter launch each, where the thread's
                 # ring (a few chunks) took six of each
@@ -355,11 +363,11 @@ class WorkerPipeline:
         first waits up to `idle_load_wait_s` for one to land (see EngineConfig)."""
         if self.async_loads is None:
             return set(), set(), set()
-        if self._idle and self.cfg.idle_load_wait_s > 0:
+        if self._idle and self.idle_wait_s > 0:
             self._idle = False  # once a step
             if self.async_loads.pending:
                 self.idle_waits += 1
-            self.async_loads.wait(self.cfg.idle_load_wait_s)
+            self.async_loads.wait(self.idle_wait_s)
         return self.async_loads.take()
 
     def finished_requests(self, finished_req_ids: set[str]) -> set[str]:

@@ -237,12 +237,12 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         (logger.info if rank == 0 else logger.debug)(
             "tutti: ready: backend=%s roots=%s capacity=%d B layout=%s kernel=%s layers=%d chunk=%d tokens "
             "resident=%d chunks rank=%d staging=%d B (%d store chunks) mapped=%d B in %.2f s%s async_loads=%s "
-            "read probe=%d B in %.3f s gil_switch_interval=%g s; start-up took %.2f s",
+            "read probe=%d B in %.3f s gil_switch_interval=%g s idle_load_wait=%g s; start-up took %.2f s",
             w.queue.caps().backend, list(w.cfg.roots), self._cfg.capacity_bytes, layout, w.kernel.name,
             num_layers, self._cfg.chunk_tokens, w.resident_chunks, rank, w.cfg.staging_bytes,
             w.stores.arena.num_regions, w.mapped_bytes, w.map_seconds,
             f" (stores copy into it: {w.stores.map_copy})" if w.stores.into_maps else "", w.async_loads is not None, w.probe[0], w.probe[1],
-            sys.getswitchinterval(), w.warmup_seconds,
+            sys.getswitchinterval(), w.idle_wait_s, w.warmup_seconds,
         )
 
     @timed("_hooks")
