@@ -18,7 +18,7 @@ this process (so `sys.setswitchinterval` reaches its loop), 8B KV geometry, weig
   stored (vllm_ttft's measure)
   16 greedy tokens of the 32k hit against both references
 
-    python3 bench/gil_interval_ab.py --out $OUT/gil [--cases file,mapped] [--tiny] [--ab idle_wait|grid]
+    python3 bench/gil_interval_ab.py --out $OUT/gil [--cases file,mapped] [--tiny] [--ab idle_wait|grid|default]
 
 Each hit also reports its asynchronous job's timeline (`hit_<n>_timeline_ms`): when vLLM's
 scheduling handed it to the worker, when the load thread took it, queued it, saw it land, and
@@ -26,7 +26,8 @@ when a step told vLLM, against the first token's time.
 
 `--ab idle_wait` alternates tutti's `idle_load_wait_s` (2 ms, off) instead: a step with nothing
 to compute sleeps until an asynchronous load lands instead of returning to the spinning loop;
-`--ab grid` crosses it with the switch interval. The CPU engine schedules synchronously, so its
+`--ab grid` crosses it with the switch interval; `--ab default` repeats the hits four times
+with both as shipped. The CPU engine schedules synchronously, so its
 hits load in the step and no step waits unless `--extra '{"async_loads": true}'` makes them
 asynchronous, as they are on a GPU in default mode; then 2 ms made 2k hits 2-4x faster on both
 paths (`docs/results/idle_wait_cpu_async.json`), and on the H200 it took the 32k RAM hit from
@@ -57,6 +58,7 @@ SETTINGS = {
     "interval": [(0.005, 0.0), (0.0002, 0.0), (0.0005, 0.0)] * 2,
     "idle_wait": [(None, 0.002), (None, 0.0)] * 2,  # tutti's idle_load_wait_s, the interval left alone
     "grid": [(None, 0.0), (None, 0.002), (0.0005, 0.0), (0.0005, 0.002)] * 2,  # both, crossed
+    "default": [(None, None)] * 4,  # as shipped: the interval and tutti's resolved "auto" left alone
 }
 
 
@@ -144,8 +146,11 @@ def run_case(case: str, a) -> dict:
     runs = []
     for k, (interval, idle) in enumerate(SETTINGS[a.ab]):
         interval = res["switch_interval_default"] if interval is None else interval
-        worker.cfg = dataclasses.replace(worker.cfg, idle_load_wait_s=idle)
-        worker.idle_wait_s = idle  # what the worker reads (the config's "auto" resolved at start-up)
+        if idle is None:
+            idle = worker.idle_wait_s  # the config's value as resolved at start-up
+        else:
+            worker.cfg = dataclasses.replace(worker.cfg, idle_load_wait_s=idle)
+            worker.idle_wait_s = idle  # what the worker reads (the config's "auto" resolved at start-up)
         run: dict = {"interval_s": interval, "idle_load_wait_s": idle}
         sys.setswitchinterval(interval)
         for n2, p2 in prompts.items():
@@ -198,7 +203,7 @@ def main() -> None:
     ap.add_argument("--extra", default="{}", help="JSON merged into tutti's kv_connector_extra_config")
     ap.add_argument("--ab", default="interval", choices=tuple(SETTINGS),
                     help="what alternates: CPython's switch interval, tutti's idle_load_wait_s (2 ms / off), "
-                         "or both crossed (grid)")
+                         "both crossed (grid), or both as shipped (default)")
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
     if a.case:

@@ -299,6 +299,8 @@ def main() -> None:
         r["extra"] = extra
         out["phases"][name] = r
         print(f"LOC {name} " + json.dumps({k: v for k, v in r.items() if k not in ("tutti_log",)})[:3000], flush=True)
+        with open(os.path.join(a.out, f"load_or_compute_{a.geometry}.json"), "w") as f:
+            json.dump(out, f, indent=1)  # each phase as it ends: a call stopped at its limit keeps them
         if "error" in r:
             break
     for _, name, extra in phases[1:]:
