@@ -27,6 +27,7 @@ cache. Two processes per geometry, one engine each:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -115,7 +116,13 @@ def run_phase(phase: str, a) -> dict:
     rates0 = {"load_GBps": planner.meter.load_rate and round(planner.meter.load_rate / 1e9, 3),
               "prefill_tok_s": planner.meter.prefill_rate and round(planner.meter.prefill_rate)}
     res["rates_before_hits"] = rates0
-    policies = {"auto": CostModel(), "always": Always(), "never": Never()}
+    class AutoNoExtra(CostModel):
+        """auto as it was before it learned what layer-wise steps take beyond max(reads, compute)."""
+
+        def decide(self, q, rates):
+            return super().decide(q, dataclasses.replace(rates, layerwise_extra_s=0.0))
+
+    policies = {"auto": CostModel(), "always": Always(), "never": Never(), "auto_noextra": AutoNoExtra()}
     rec = None
     if a.py_spy:  # who holds the GIL in this process (the step's thread, tutti's IO and load threads) during the hits
         from gil_profile import GilRecorder, find_py_spy
@@ -149,7 +156,8 @@ def run_phase(phase: str, a) -> dict:
                 if timeline is not None:
                     r["timeline"] = timeline  # of the last repeat
                 r["rates"] = {"load_GBps": planner.meter.load_rate and round(planner.meter.load_rate / 1e9, 3),
-                              "prefill_tok_s": planner.meter.prefill_rate and round(planner.meter.prefill_rate)}
+                              "prefill_tok_s": planner.meter.prefill_rate and round(planner.meter.prefill_rate),
+                              "layerwise_extra_ms": round(1e3 * planner.meter.layerwise_extra_s, 1)}
         # the reference in each hit's shape: vLLM's own prefix cache holding the same prefix (its
         # KV from a prefill of the prefix alone) and the rest computed, as a loaded hit computes it;
         # greedy tokens of seeded weights can flip with the compute shape (docs/results/kv_proof.md).
@@ -219,7 +227,8 @@ def summarize(store: dict, hit: dict, lengths, policies) -> list[dict]:
                 continue
             best = min(r["s"])
             rows.append({"tokens": n, "policy": name, "s": best, "x_recompute": base and round(best / base, 3),
-                         "loaded": r["loaded_tokens"][-1], "declined": r["declined_tokens"][-1],
+                         "each_s": r["s"], "loaded": r["loaded_tokens"][-1], "each_loaded": r["loaded_tokens"],
+                         "declined": r["declined_tokens"][-1],
                          "tokens_equal_recompute": r["tokens16"] == never.get("tokens16"),
                          "tokens_equal_vllm_prefix_cache_same_shape": same_shape(r, hit.get(f"vllm_prefix_cache_{n}", {})),
                          "tokens_equal_first_prefill": r["tokens16"] == ref})
@@ -242,7 +251,8 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens (vllm serve's on an H200)")
     ap.add_argument("--gpu-mem", type=float, default=0.6)
-    ap.add_argument("--policies", default="auto,always,never")
+    ap.add_argument("--policies", default="auto,always,never",
+                    help="of auto, always, never and auto_noextra (auto without the measured layer-wise extra)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tutti-extra", default="{}", help="more kv_connector_extra_config keys, as JSON")
     ap.add_argument("--timeout", type=int, default=280)

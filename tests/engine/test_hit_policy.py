@@ -390,6 +390,66 @@ def test_a_step_that_loads_layer_wise_is_a_step_time_but_not_a_prefill_rate():
     assert m.step_time == pytest.approx((0.25 * 0.9 + 0.5) / 1.9)
     m.on_loads(0, 0.0, now=1.0)  # loads that hid under compute: no rate, but a fresh one
     assert m.load_rate is None and m.load_age(now=2.0) == pytest.approx(1.0)
+    assert m.layerwise_extra_s == 0.0  # no read rate to model the step with: nothing learned
+
+
+def test_a_layer_wise_step_measures_what_it_took_beyond_max_reads_compute():
+    """The step of a layer-wise load took max(reads, compute) plus 60 ms (the pipeline's fill and
+    drain, the forward's per-layer waits): the meter learns the 60 ms, and a step that took less
+    than the model lowers it, never below 0."""
+    m = RateMeter()
+    m.on_scheduled(1, 8192, now=0.0)
+    m.on_done(1, now=0.2)  # 40,960 tokens/s
+    m.on_loads(int(1e9), 1.0, now=0.2)  # 1 GB/s
+    m.on_scheduled(2, 4096, now=0.2)
+    m.loads_in(2, int(0.15e9))  # reads 0.15 s, compute 0.1 s
+    m.on_done(2, now=0.2 + 0.15 + 0.06)
+    assert m.layerwise_extra_s == pytest.approx(0.06)
+    m.on_scheduled(3, 4096, now=1.0)
+    m.loads_in(3, int(0.05e9))  # reads 0.05 s, compute 0.1 s: done on time
+    m.on_done(3, now=1.1)
+    assert m.layerwise_extra_s == pytest.approx(0.06 * 0.9 / 1.9)
+    for k in range(4, 40):  # steps faster than the model: the extra goes to 0, not below
+        m.on_scheduled(k, 4096, now=2.0 * k)
+        m.loads_in(k, int(0.05e9))
+        m.on_done(k, now=2.0 * k + 0.08)
+    assert m.layerwise_extra_s == 0.0
+
+
+def test_the_measured_layer_wise_extra_stops_loads_at_the_balance_point():
+    """H200, 8B geometry, a 1.3 GB/s disk, 40k tokens/s of prefill, an 8k hit in one step: the
+    model without the extra loaded 1,536 tokens for a promised 7% over recomputing; the step took
+    16% longer than recomputing (0.245 against 0.211 s). With the 60 ms such steps measured, it
+    recomputes; a 32k hit, where overlapping saves more than the extra, still loads its front."""
+    rates = dict(load_bytes_per_s=1.32e9, prefill_tokens_per_s=40220.0)
+    eight = HitQuery(hit_tokens=8192, prompt_tokens=8192, chunk_tokens=256, bytes_per_token=B8, step_tokens=32768,
+                     asynchronous=False, attention_weight=W8)
+    assert CostModel().decide(eight, Rates(**rates)) > 0
+    assert CostModel().decide(eight, Rates(**rates, layerwise_extra_s=0.06)) == 0
+    big = HitQuery(hit_tokens=32768, prompt_tokens=32768, chunk_tokens=256, bytes_per_token=B8, step_tokens=32768,
+                   asynchronous=False, attention_weight=W8)
+    m = CostModel().decide(big, Rates(**rates, layerwise_extra_s=0.06))
+    assert m > 0
+    assert CostModel.time(big, Rates(**rates, layerwise_extra_s=0.06), m) < \
+        0.9 * CostModel.time(big, Rates(**rates, layerwise_extra_s=0.06), 0)
+
+
+def test_the_planner_hands_the_policy_the_measured_layer_wise_extra():
+    p = Planner(num_slots=64, chunk_tokens=32, block_size=16, seed=b"s" * 32, slot_bytes=32 * 1000,
+                hit_policy=Always(), asynchronous=False)
+    seen = []
+
+    class Spy:
+        def decide(self, q, rates):
+            seen.append(rates.layerwise_extra_s)
+            return q.hit_tokens
+
+    p.meter.extra_seconds, p.meter.extra_steps = 0.05, 1.0
+    p.hit_policy = Spy()
+    toks = list(range(1, 200))
+    store_prefix(p, toks)
+    assert p.match("r", toks + [7], 0) == 192
+    assert seen == [pytest.approx(0.05)]
 
 
 def test_the_planner_marks_its_layer_wise_steps_and_takes_rate_samples_only():
@@ -400,7 +460,7 @@ def test_the_planner_marks_its_layer_wise_steps_and_takes_rate_samples_only():
     assert p.match("r", toks + [7], 0) == 192
     p.on_alloc("r", list(range(20)), 192)
     plan = p.build_step({"r": 8}, {"r": 192})
-    assert plan.loads and p.meter._pending[plan.step][2] is True
+    assert plan.loads and p.meter._pending[plan.step][2] == 6 * 32000  # the bytes the step loads
     # 6 chunks read, but the forward stalled only up to 2 of them, 0.1 s in: that is the rate
     p.on_report(WorkerReport(steps_done=[plan.step], bytes_loaded=6 * 32000, load_seconds=0.5,
                              rate_bytes=2 * 32000, rate_seconds=0.1))

@@ -312,7 +312,8 @@ class Planner:
         rates = Rates(load_rate, self.meter.prefill_rate,
                       queued_load_bytes=self._unsent_load_bytes + sum(self._step_load_bytes.values()),
                       prefill_backlog_tokens=max(0, self._backlog), load_age_s=self.meter.load_age(),
-                      load_overhead_s=overhead, step_s=self.meter.step_time, batch_requests=batch)
+                      load_overhead_s=overhead, step_s=self.meter.step_time, batch_requests=batch,
+                      layerwise_extra_s=self.meter.layerwise_extra_s)
         try:
             want = self.hit_policy.decide(q, rates)
         except Exception:  # noqa: BLE001 - a research policy's bug costs its hits, never the step
@@ -511,7 +512,7 @@ class Planner:
                 continue
             if r.loads:
                 plan.loads.extend(r.loads)
-                self.meter.loads_in(plan.step)
+                self.meter.loads_in(plan.step, sum(self._load_bytes(ld) for ld in r.loads))
                 pins.extend(ld.key for ld in r.loads if ld.source is None)
                 foreign_keys.extend(ld.key for ld in r.loads if ld.source is not None)
                 r.loads = []
