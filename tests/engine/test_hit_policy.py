@@ -327,6 +327,49 @@ def test_the_auto_budget_holds_a_long_prompts_own_first_step():
     assert p.sync_budget_bytes() < took * B8  # a step of fresh tokens would not have held it
 
 
+class ByMode:
+    """A policy that takes `sync` tokens layer-wise and `later` asynchronously."""
+
+    def __init__(self, sync, later):
+        self.sync, self.later = sync, later
+
+    def decide(self, q, rates):
+        return min(q.hit_tokens, self.later if q.asynchronous else self.sync)
+
+
+def test_a_hit_a_chunk_past_the_budget_is_cut_to_it_unless_asynchronous_loads_more():
+    """The policy's layer-wise choice one chunk past the step's budget: cut to the budget (where
+    asynchronously, on a slow disk, it would load nothing); asynchronous where that loads more."""
+    toks = list(range(1, 200))
+    p = budget_planner(100_000)  # 100 tokens of 1000 B: 3 chunks of 32
+    store_prefix(p, toks)
+    p.hit_policy = ByMode(sync=128, later=0)
+    assert p.match("a", toks + [1], 0) == 96 and not p.wants_async("a")
+    assert p.match("b", toks + [2], 0) == 0  # the step's budget is spent, and asynchronously nothing
+    q = budget_planner(100_000)
+    store_prefix(q, toks)
+    q.hit_policy = ByMode(sync=128, later=192)
+    assert q.match("c", toks + [3], 0) == 192 and q.wants_async("c")
+
+
+@pytest.mark.parametrize("gbps", [1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9])
+def test_a_32k_hit_on_a_slow_disk_loads_its_front_whatever_chunk_the_balance_falls_on(gbps):
+    """H200, 8B, 32k hit, a 32768-token step: the policy's balance point fell a chunk past the
+    budget (the same balance, computed apart) in one call of two, and the hit went asynchronous,
+    where a 1.5 GB/s disk loads nothing: 1.00x recompute against 0.86x in the other call."""
+    p = Planner(num_slots=256, chunk_tokens=256, block_size=16, seed=b"s" * 32, slot_bytes=256 * B8,
+                hit_policy=CostModel(), asynchronous=False, step_tokens=32768)
+    p.sync_budget, p.can_load_async = "auto", True
+    p.attention_weight = W8
+    toks = list(range(1, 32769))
+    store_prefix(p, toks)
+    p.meter.on_loads(int(gbps * 1e9), 1.0)
+    p.meter.prefill_tokens, p.meter.prefill_seconds = 4096 * (1 + W8 * 2047.5), 4096 / 43000
+    took = p.match("r", toks, 0)
+    assert not p.wants_async("r")
+    assert took > 4000, took
+
+
 def test_a_request_looked_up_again_is_not_queued_ahead_of_itself():
     """vLLM looks a waiting request up again every step it finds no room: its own prompt was
     counted as prefill backlog ahead of it (a recompute looked as if it waited for itself)."""

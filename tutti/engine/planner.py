@@ -232,14 +232,26 @@ class Planner:
             prefill = self.meter.prefill_rate
             own_s = prefill_work(q, take, take + first) / prefill if prefill else 0.0
             budget = self.sync_budget_bytes(own_s)
-            if budget is not None and self._step_sync_bytes + take * self.slot_bytes / self.chunk_tokens > budget:
-                # past what the step can load without waiting: asynchronously (the request waits
-                # outside the batch), as much as the cost model says for that mode
-                r.load_async = True
-                take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens, asynchronous=True,
-                                    context=num_computed_tokens, batch=batch)
+            per_token = self.slot_bytes / self.chunk_tokens
+            if budget is not None and self._step_sync_bytes + take * per_token > budget:
+                # past what the step can load without waiting: the hit cut to what it can (the
+                # policy's balance point lands a chunk either side of the budget, which is that
+                # same balance), or asynchronously (the request waits outside the batch), as much
+                # as the policy says for that mode: whichever loads more (it frees the GPU).
+                # Before, a choice one chunk past the budget went asynchronous, where a slow disk
+                # loads nothing: an H200 32k hit recomputed (1.00x) where it had loaded 0.86x.
+                room = max(0.0, budget - self._step_sync_bytes)
+                fit = chunk_floor(int(room // per_token), q) if room >= per_token else 0
+                later = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens, asynchronous=True,
+                                     context=num_computed_tokens, batch=batch)
+                if later > fit:
+                    r.load_async = True
+                    take = later
+                else:
+                    take = fit
+                    self._step_sync_bytes += int(take * per_token)
             else:
-                self._step_sync_bytes += int(take * self.slot_bytes / self.chunk_tokens)
+                self._step_sync_bytes += int(take * per_token)
         if self.state_groups and take < found:  # a shorter hit must end on a chunk whose state is stored
             take = 0
         r.declined = found - take  # counted once vLLM allocates (it may look a request up again)
