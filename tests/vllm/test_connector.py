@@ -352,7 +352,8 @@ def test_hit_policy_loads_or_recomputes_on_a_slow_store(tiny_model, tmp_path, re
             "    out.append({'tokens': list(o.outputs[0].token_ids), 'cached': o.num_cached_tokens})\n"
             "conn = harness.connector(llm)\n"
             "print('RESULT', json.dumps(out))\n"
-            "print('STATS', json.dumps({**vars(conn.planner.stats), 'weight': conn.planner.attention_weight}))\n"
+            "print('STATS', json.dumps({**vars(conn.planner.stats), 'weight': conn.planner.attention_weight,\n"
+            "                           'extra_steps': conn.planner.meter.extra_steps}))\n"
             "harness.shutdown_llm(llm)\n"
         )
         return results_of(code)
@@ -369,6 +370,8 @@ def test_hit_policy_loads_or_recomputes_on_a_slow_store(tiny_model, tmp_path, re
     assert stats["hit_tokens"] == 9 * CHUNK + res[1]["cached"]
     assert stats["declined_hit_tokens"] == 9 * CHUNK - res[1]["cached"]
     assert [r["tokens"] for r in res] == ref[:2]
+    # the whole load's step measured what it took beyond max(reads, compute) (the policy adds it)
+    assert stats["extra_steps"] > 0
     res, stats = run("test_connector:HalfPolicy", [p3], [p3], tmp_path / "kv2")
     assert res[0]["cached"] == 4 * CHUNK and stats["declined_hit_tokens"] == 5 * CHUNK, stats  # 9 chunks: 4 loaded
     assert res[0]["tokens"] == ref[2]
