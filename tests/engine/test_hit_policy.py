@@ -307,21 +307,27 @@ def test_the_auto_budget_is_what_the_read_rate_moves_in_one_full_step():
     assert p.sync_budget_bytes() == pytest.approx(0.3e9, rel=1e-6)
 
 
-def test_the_auto_budget_holds_a_long_prompts_own_first_step():
-    """Run 6 (H200, 8B, 32k hit at a 32768-token step budget, disk at 1.8 GB/s): counting
-    attention, the policy chose to hide about 13k tokens' reads under the suffix's first step, but
-    the budget, a step of fresh tokens (0.81 s), was smaller, so the hit went asynchronous and
-    loaded whole (1.9x recompute). The budget now holds the prompt's own first step."""
+def budgeted_32k_hit(read_bps: float, warmup_s: float):
+    """An 8B 32k hit, layer-wise at a 32768-token step with the auto budget, after a read rate
+    and a 4096-token warm-up prompt taking `warmup_s`: (the planner, the tokens it takes)."""
     p = Planner(num_slots=256, chunk_tokens=256, block_size=16, seed=b"s" * 32, slot_bytes=256 * B8,
                 hit_policy=CostModel(), asynchronous=False, step_tokens=32768)
     p.sync_budget, p.can_load_async = "auto", True
     p.attention_weight = W8
     toks = list(range(1, 32769))
     store_prefix(p, toks)
-    p.meter.on_loads(int(1.836e9), 1.0)
+    p.meter.on_loads(int(read_bps), 1.0)
+    p.meter.prefill_tokens, p.meter.prefill_seconds = 4096 * (1 + W8 * 2047.5), warmup_s
+    return p, p.match("r", toks, 0)
+
+
+def test_the_auto_budget_holds_a_long_prompts_own_first_step():
+    """Run 6 (H200, 8B, 32k hit at a 32768-token step budget, disk at 1.8 GB/s): counting
+    attention, the policy chose to hide about 13k tokens' reads under the suffix's first step, but
+    the budget, a step of fresh tokens (0.81 s), was smaller, so the hit went asynchronous and
+    loaded whole (1.9x recompute). The budget now holds the prompt's own first step."""
     # the warm-up's 4096-token prompt took 0.1107 s (its steps' work over their time)
-    p.meter.prefill_tokens, p.meter.prefill_seconds = 4096 * (1 + W8 * 2047.5), 0.1107
-    took = p.match("r", toks, 0)
+    p, took = budgeted_32k_hit(1.836e9, 0.1107)
     assert not p.wants_async("r")
     assert 9000 < took < 20000, took
     assert p.sync_budget_bytes() < took * B8  # a step of fresh tokens would not have held it
@@ -357,15 +363,7 @@ def test_a_32k_hit_on_a_slow_disk_loads_its_front_whatever_chunk_the_balance_fal
     """H200, 8B, 32k hit, a 32768-token step: the policy's balance point fell a chunk past the
     budget (the same balance, computed apart) in one call of two, and the hit went asynchronous,
     where a 1.5 GB/s disk loads nothing: 1.00x recompute against 0.86x in the other call."""
-    p = Planner(num_slots=256, chunk_tokens=256, block_size=16, seed=b"s" * 32, slot_bytes=256 * B8,
-                hit_policy=CostModel(), asynchronous=False, step_tokens=32768)
-    p.sync_budget, p.can_load_async = "auto", True
-    p.attention_weight = W8
-    toks = list(range(1, 32769))
-    store_prefix(p, toks)
-    p.meter.on_loads(int(gbps * 1e9), 1.0)
-    p.meter.prefill_tokens, p.meter.prefill_seconds = 4096 * (1 + W8 * 2047.5), 4096 / 43000
-    took = p.match("r", toks, 0)
+    p, took = budgeted_32k_hit(gbps * 1e9, 4096 / 43000)
     assert not p.wants_async("r")
     assert took > 4000, took
 
