@@ -436,8 +436,9 @@ def test_a_step_that_loads_layer_wise_is_a_step_time_but_not_a_prefill_rate():
 
 def test_a_layer_wise_step_measures_what_it_took_beyond_max_reads_compute():
     """The step of a layer-wise load took max(reads, compute) plus 60 ms (the pipeline's fill and
-    drain, the forward's per-layer waits): the meter learns the 60 ms, and a step that took less
-    than the model lowers it, never below 0."""
+    drain, the forward's per-layer waits): the meter learns it from three such steps, one step
+    stalled by something else does not move it, and steps faster than the model take it to 0,
+    never below."""
     m = RateMeter()
     m.on_scheduled(1, 8192, now=0.0)
     m.on_done(1, now=0.2)  # 40,960 tokens/s
@@ -445,15 +446,20 @@ def test_a_layer_wise_step_measures_what_it_took_beyond_max_reads_compute():
     m.on_scheduled(2, 4096, now=0.2)
     m.loads_in(2, int(0.15e9))  # reads 0.15 s, compute 0.1 s
     m.on_done(2, now=0.2 + 0.15 + 0.06)
-    assert m.layerwise_extra_s == pytest.approx(0.06)
-    m.on_scheduled(3, 4096, now=1.0)
-    m.loads_in(3, int(0.05e9))  # reads 0.05 s, compute 0.1 s: done on time
-    m.on_done(3, now=1.1)
-    assert m.layerwise_extra_s == pytest.approx(0.06 * 0.9 / 1.9)
-    for k in range(4, 40):  # steps faster than the model: the extra goes to 0, not below
+    assert list(m.extras) == [pytest.approx(0.06)] and m.layerwise_extra_s == 0.0  # one step: not yet
+
+    def step(k: int, nbytes: float, took: float) -> None:
         m.on_scheduled(k, 4096, now=2.0 * k)
-        m.loads_in(k, int(0.05e9))
-        m.on_done(k, now=2.0 * k + 0.08)
+        m.loads_in(k, int(nbytes))
+        m.on_done(k, now=2.0 * k + took)
+
+    step(3, 0.05e9, 0.1 + 0.04)  # reads 0.05 s, compute 0.1 s, 40 ms more
+    step(4, 0.05e9, 0.1 + 0.45)  # one step stalled by something else: not what loads cost
+    assert m.layerwise_extra_s == pytest.approx(0.06)
+    step(5, 0.05e9, 0.1 + 0.05)
+    assert m.layerwise_extra_s == pytest.approx(0.05)  # the lower median of four
+    for k in range(5, 13):  # steps faster than the model: the extra goes to 0, not below
+        step(k, 0.05e9, 0.08)
     assert m.layerwise_extra_s == 0.0
 
 
@@ -485,7 +491,7 @@ def test_the_planner_hands_the_policy_the_measured_layer_wise_extra():
             seen.append(rates.layerwise_extra_s)
             return q.hit_tokens
 
-    p.meter.extra_seconds, p.meter.extra_steps = 0.05, 1.0
+    p.meter.extras.extend([0.05, 0.05, 0.05])
     p.hit_policy = Spy()
     toks = list(range(1, 200))
     store_prefix(p, toks)

@@ -353,7 +353,7 @@ def test_hit_policy_loads_or_recomputes_on_a_slow_store(tiny_model, tmp_path, re
             "conn = harness.connector(llm)\n"
             "print('RESULT', json.dumps(out))\n"
             "print('STATS', json.dumps({**vars(conn.planner.stats), 'weight': conn.planner.attention_weight,\n"
-            "                           'extra_steps': conn.planner.meter.extra_steps}))\n"
+            "                           'extra_steps': len(conn.planner.meter.extras)}))\n"
             "harness.shutdown_llm(llm)\n"
         )
         return results_of(code)

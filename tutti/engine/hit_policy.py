@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -235,9 +236,8 @@ class RateMeter:
     step_seconds: float = 0.0  # decayed sum of every step's duration (decode steps too)
     steps: float = 0.0
     _pending: dict = field(default_factory=dict)  # step -> (tokens, when scheduled, load bytes, work)
-    # decayed sums of layer-wise loading steps' durations beyond the model's max(reads, compute)
-    extra_seconds: float = 0.0
-    extra_steps: float = 0.0
+    # the last layer-wise loading steps' durations beyond the model's max(reads, compute)
+    extras: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
     _last_done: float | None = None
     _seq: int = 0
     _last_load: float | None = None
@@ -308,15 +308,16 @@ class RateMeter:
             o, rate = self.load_model()
             rp = self.prefill_rate
             if rate and rp:
-                extra = took - max(o + loading / rate, work / rp)
-                self.extra_seconds = self.extra_seconds * self.decay + extra
-                self.extra_steps = self.extra_steps * self.decay + 1
+                self.extras.append(took - max(o + loading / rate, work / rp))
 
     @property
     def layerwise_extra_s(self) -> float:
         """What a layer-wise loading step took beyond max(its reads, its compute) as modelled from
-        the rates measured before it: 0 until measured, never negative."""
-        return max(0.0, self.extra_seconds / self.extra_steps) if self.extra_steps > 0 else 0.0
+        the rates measured before it: the lower median of the last 8 such steps, 0 until 3 were
+        measured, never negative. A step slowed by something else (a 0.45 s stall on a busy
+        2-core machine) must not stop the loads that follow: a policy that stops loading takes no
+        new sample to correct it."""
+        return max(0.0, statistics.median_low(self.extras)) if len(self.extras) >= 3 else 0.0
 
     def on_step(self, scheduled_tokens: int, now: float | None = None) -> None:
         """A synchronous scheduler's view, for tests and tools: a step is scheduled when the last
