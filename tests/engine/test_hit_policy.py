@@ -268,7 +268,7 @@ def test_rate_meter_times_steps_from_their_outputs_under_async_scheduling():
 def test_the_planner_times_steps_by_their_reports():
     p = planner(CostModel())
     plan = p.build_step({}, {})
-    p.meter._pending[plan.step] = (8192, p.meter._pending[plan.step][1] - 0.25, False, 8192)  # scheduled 0.25 s ago
+    p.meter._pending[plan.step] = (8192, p.meter._pending[plan.step][1] - 0.25, False, 8192, 0)  # scheduled 0.25 s ago
     p.on_report(WorkerReport(steps_done=[plan.step]))
     assert 8192 / 0.3 < p.meter.prefill_rate < 8192 / 0.25
 
@@ -507,7 +507,8 @@ def test_the_planner_marks_its_layer_wise_steps_and_takes_rate_samples_only():
     assert p.match("r", toks + [7], 0) == 192
     p.on_alloc("r", list(range(20)), 192)
     plan = p.build_step({"r": 8}, {"r": 192})
-    assert plan.loads and p.meter._pending[plan.step][2] == 6 * 32000  # the bytes the step loads
+    assert plan.loads and p.meter._pending[plan.step][2] is True
+    assert p.meter._pending[plan.step][4] == 6 * 32000  # the bytes the step loads
     # 6 chunks read, but the forward stalled only up to 2 of them, 0.1 s in: that is the rate
     p.on_report(WorkerReport(steps_done=[plan.step], bytes_loaded=6 * 32000, load_seconds=0.5,
                              rate_bytes=2 * 32000, rate_seconds=0.1))

@@ -235,7 +235,8 @@ class RateMeter:
     max_gap_s: float = 5.0  # a longer gap between steps was an idle server, not a step
     step_seconds: float = 0.0  # decayed sum of every step's duration (decode steps too)
     steps: float = 0.0
-    _pending: dict = field(default_factory=dict)  # step -> (tokens, when scheduled, load bytes, work)
+    # step -> (tokens, when scheduled, loads layer-wise, work, the bytes it loads layer-wise)
+    _pending: dict = field(default_factory=dict)
     # the last layer-wise loading steps' durations beyond the model's max(reads, compute)
     extras: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
     _last_done: float | None = None
@@ -271,7 +272,7 @@ class RateMeter:
         `work`: their compute in token-equivalents at zero context (`prefill_work`), when the
         scheduler knows their positions, so a step of long prompts does not read as a slow GPU."""
         now = time.monotonic() if now is None else now
-        self._pending[step] = (scheduled_tokens, now, 0, scheduled_tokens if work is None else work)
+        self._pending[step] = (scheduled_tokens, now, False, scheduled_tokens if work is None else work, 0)
         while len(self._pending) > 256:  # steps never reported (a worker that skipped them): forgotten
             self._pending.pop(next(iter(self._pending)))
 
@@ -282,7 +283,7 @@ class RateMeter:
         measures instead what such a step costs beyond max(reads, compute) (`layerwise_extra_s`)."""
         got = self._pending.get(step)
         if got is not None:
-            self._pending[step] = (got[0], got[1], (got[2] or 0) + max(1, int(nbytes)), got[3])
+            self._pending[step] = (got[0], got[1], True, got[3], got[4] + int(nbytes))
 
     def on_done(self, step: int, now: float | None = None) -> None:
         """Step `step`'s output reached the scheduler (its worker report came with it). Its
@@ -293,7 +294,7 @@ class RateMeter:
         if got is None:  # another worker's copy of a step already counted, or an unknown step
             return
         now = time.monotonic() if now is None else now
-        tokens, scheduled_at, loading, work = got  # loading: the step's layer-wise load bytes (0: none)
+        tokens, scheduled_at, loading, work, load_bytes = got
         start = scheduled_at if self._last_done is None else max(scheduled_at, self._last_done)
         self._last_done = now
         took = now - start
@@ -304,11 +305,11 @@ class RateMeter:
         if tokens >= self.min_step_tokens and not loading:
             self.prefill_tokens = self.prefill_tokens * self.decay + work
             self.prefill_seconds = self.prefill_seconds * self.decay + took
-        elif loading > 1:  # (1: bytes not known)
+        elif loading and load_bytes > 0:
             o, rate = self.load_model()
             rp = self.prefill_rate
             if rate and rp:
-                self.extras.append(took - max(o + loading / rate, work / rp))
+                self.extras.append(took - max(o + load_bytes / rate, work / rp))
 
     @property
     def layerwise_extra_s(self) -> float:

@@ -94,16 +94,18 @@ class WorkerPipeline:
         self.foreign = foreign  # tutti.engine.sharing.ForeignStores (other writers of the namespace)
         self.loads = LoadPipeline(self.ctx, ring, self.journal, self.counters, self._forget, foreign)
         self.async_loads = None
-        # EngineConfig.idle_load_wait_s, resolved ("auto": by who launches asynchronous loads)
-        self.idle_wait_s = IDLE_WAIT_THREAD_S if cfg.idle_load_wait_s == "auto" else float(cfg.idle_load_wait_s)
+        on_step = bool(async_slots) and self._launches_async_on_step(cfg, store)
+        # EngineConfig.idle_load_wait_s, resolved: "auto" waits only where the loading thread loads
+        # (the wait lets it have the GIL); where the step's thread launches, nothing needs it
+        if cfg.idle_load_wait_s == "auto":
+            self.idle_wait_s = 0.0 if on_step else IDLE_WAIT_THREAD_S
+        else:
+            self.idle_wait_s = float(cfg.idle_load_wait_s)
         if async_slots:
             from tutti.engine.async_loads import AsyncLoads
 
             aring = StagingRing(staging[sync_bytes:load_bytes], slot_bytes, self.ctx.device)
             inline = None
-            on_step = self._launches_async_on_step(cfg, store)
-            if cfg.idle_load_wait_s == "auto":  # the wait lets the loading thread have the GIL
-                self.idle_wait_s = 0.0 if on_step else IDLE_WAIT_THREAD_S
             if on_step:
                 # device-only room for one job of up to INLINE_GROUP_BYTES (a 4k-token hit of an
                 # 8B model): one copy, one verify and one scatter launch each, where the thread's
