@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import serve_workload as sw  # noqa: E402
@@ -134,3 +136,34 @@ def test_the_profile_table_puts_each_servers_trace_on_a_row():
     header, rule, row = table.strip().splitlines()
     assert header.count("|") == rule.count("|") == row.count("|") == 11
     assert row.startswith("| tutti_shm | 1772.4 | 0.82 |") and row.endswith("| 6.479 / 0.7793 |")
+
+
+def test_a_server_ready_past_its_deadline_counts_as_ready():
+    """Servers start together and wait while earlier cases' clients run: one that is up by then
+    is ready even with its start-up deadline passed; one that never answers still times out."""
+    import http.server
+    import socketserver
+    import subprocess
+    import sys as _sys
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    srv = socketserver.TCPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    proc = subprocess.Popen([_sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        sw.wait_ready(srv.server_address[1], proc, timeout=-26)  # answers: ready
+        srv.shutdown()
+        srv.server_close()
+        with pytest.raises(TimeoutError, match="start-up deadline"):
+            sw.wait_ready(srv.server_address[1], proc, timeout=-26)  # nobody answers
+    finally:
+        proc.kill()
+        proc.wait()

@@ -306,5 +306,6 @@ def test_metrics_and_startup_line_on_a_running_vllm_server(tiny_model, tmp_path)
     assert len(ready) == 1, ready
     assert " INFO " in ready[0]
     for part in ("backend=", "roots=['" + str(tmp_path / "kv"), "capacity=67108864 B", "layout=", "kernel=torch",
+                 "hits=layerwise+async_past_budget",  # vLLM on the CPU schedules synchronously
                  "gil_switch_interval=0.005 s"):  # the engine core's (gil_switch_interval_s "off": CPython's)
         assert part in ready[0], (part, ready[0])

@@ -236,14 +236,22 @@ class TuttiConnectorV1(KVConnectorBase_V1):
         rank = compat.worker_rank(self._vllm_config)
         (logger.info if rank == 0 else logger.debug)(
             "tutti: ready: backend=%s roots=%s capacity=%d B layout=%s kernel=%s layers=%d chunk=%d tokens "
-            "resident=%d chunks rank=%d staging=%d B (%d store chunks) mapped=%d B in %.2f s%s async_loads=%s "
+            "resident=%d chunks rank=%d staging=%d B (%d store chunks) mapped=%d B in %.2f s%s hits=%s "
             "read probe=%d B in %.3f s gil_switch_interval=%g s idle_load_wait=%g s; start-up took %.2f s",
             w.queue.caps().backend, list(w.cfg.roots), self._cfg.capacity_bytes, layout, w.kernel.name,
             num_layers, self._cfg.chunk_tokens, w.resident_chunks, rank, w.cfg.staging_bytes,
             w.stores.arena.num_regions, w.mapped_bytes, w.map_seconds,
-            f" (stores copy into it: {w.stores.map_copy})" if w.stores.into_maps else "", w.async_loads is not None, w.probe[0], w.probe[1],
+            f" (stores copy into it: {w.stores.map_copy})" if w.stores.into_maps else "", self._load_mode(), w.probe[0], w.probe[1],
             sys.getswitchinterval(), w.idle_wait_s, w.warmup_seconds,
         )
+
+    def _load_mode(self) -> str:
+        """How hits load, for the start-up line: asynchronously (the request waits outside the
+        batch), layer-wise in the step, or layer-wise up to the step's byte budget and
+        asynchronously past it."""
+        if self._async_loads:
+            return "async"
+        return "layerwise+async_past_budget" if self._budgeted else "layerwise"
 
     @timed("_hooks")
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
