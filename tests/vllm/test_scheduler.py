@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import harness
-from test_connector import CHUNK, kv_config, prompt
+from connector_kit import CHUNK, kv_config, prompt
 
 
 def core_of(llm):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import harness
-from test_connector import CHUNK, kv_config, prompt
+from connector_kit import CHUNK, kv_config, prompt
 
 TP_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # auto-binding wants one NUMA node per rank
