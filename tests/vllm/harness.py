@@ -88,8 +88,13 @@ def run_in_subprocess(code: str, *, env: dict[str, str] | None = None,
         [str(root), str(root / "tests" / "vllm"), e.get("PYTHONPATH", "")])
     if env:
         e.update(env)
-    p = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True,
-                       text=True, timeout=timeout, cwd=cwd or str(root))
+    import zygote
+
+    if env is None and zygote.enabled():  # a fork of a process that imported vLLM (zygote.py)
+        p = zygote.run(code, cwd=cwd or str(root), timeout=timeout)
+    else:
+        p = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True,
+                           text=True, timeout=timeout, cwd=cwd or str(root))
     if p.returncode != 0:
         raise RuntimeError(f"subprocess failed rc={p.returncode}:\n{p.stderr[-6000:]}")
     return p.stdout

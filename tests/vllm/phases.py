@@ -55,8 +55,13 @@ def run(model: Path, root: Path, prompts: list[list[int]], *, connector: str | N
     args = {"model": str(model), "root": str(root), "prompts": prompts, "connector": connector, "chunk": chunk,
             "engine": engine, "drop": drop, "tokens": tokens}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", SCRIPT.format(here=str(HERE)), json.dumps(args)],
-                       capture_output=True, text=True, timeout=600, env=env)
+    import zygote
+
+    if zygote.enabled():  # a fork of a process that imported vLLM (zygote.py): same code, same argv
+        p = zygote.run(SCRIPT.format(here=str(HERE)), [json.dumps(args)], cwd=os.getcwd(), timeout=600)
+    else:
+        p = subprocess.run([sys.executable, "-c", SCRIPT.format(here=str(HERE)), json.dumps(args)],
+                           capture_output=True, text=True, timeout=600, env=env)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
         return {"error": (p.stderr or p.stdout)[-4000:]}
