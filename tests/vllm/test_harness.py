@@ -145,3 +145,23 @@ def test_block_geometry_rejects_non_contiguous_pages():
         compat.block_geometry("l0", head_outer)
     with pytest.raises(ValueError, match="at least 2 dims"):
         compat.block_geometry("l0", torch.zeros(8))
+
+
+def test_a_forked_phase_is_a_fresh_script_and_reports_like_one():
+    """Engine phases fork from a server that imported vLLM (zygote.py): each child runs its code
+    as `python -c` would (argv, __main__, exit code, stderr), and no module state of one phase
+    reaches the next, as with a new interpreter."""
+    import zygote
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    first = zygote.run("import sys, harness\nharness._zygote_mark = 1\nprint('ARGV', sys.argv[1:], __name__)",
+                       ["a", "b"], cwd=root, timeout=120)
+    assert first.returncode == 0 and "ARGV ['a', 'b'] __main__" in first.stdout, first
+    second = zygote.run("import harness\nprint('MARK', getattr(harness, '_zygote_mark', None))", cwd=root, timeout=120)
+    assert "MARK None" in second.stdout, second  # the first phase's change died with it
+    exited = zygote.run("import sys\nprint('bye', file=sys.stderr)\nsys.exit(3)", cwd=root, timeout=120)
+    assert exited.returncode == 3 and "bye" in exited.stderr
+    raised = zygote.run("raise ValueError('field x: 7, expected 8')", cwd=root, timeout=120)
+    assert raised.returncode == 1 and "ValueError: field x: 7" in raised.stderr
+    with pytest.raises(RuntimeError, match="rc=1"):
+        harness.run_in_subprocess("raise SystemExit(1)")
