@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess

@@ -144,7 +144,6 @@ def test_a_server_ready_past_its_deadline_counts_as_ready():
     import http.server
     import socketserver
     import subprocess
-    import sys as _sys
     import threading
 
     class Health(http.server.BaseHTTPRequestHandler):
@@ -157,7 +156,7 @@ def test_a_server_ready_past_its_deadline_counts_as_ready():
 
     srv = socketserver.TCPServer(("127.0.0.1", 0), Health)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    proc = subprocess.Popen([_sys.executable, "-c", "import time; time.sleep(30)"])
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         sw.wait_ready(srv.server_address[1], proc, timeout=-26)  # answers: ready
         srv.shutdown()

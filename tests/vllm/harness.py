@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -90,11 +88,8 @@ def run_in_subprocess(code: str, *, env: dict[str, str] | None = None,
         e.update(env)
     import zygote
 
-    if env is None and zygote.enabled():  # a fork of a process that imported vLLM (zygote.py)
-        p = zygote.run(code, cwd=cwd or str(root), timeout=timeout)
-    else:
-        p = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True,
-                           text=True, timeout=timeout, cwd=cwd or str(root))
+    # a fork of a process that imported vLLM (zygote.py), unless the phase sets its own environment
+    p = zygote.run(code, cwd=cwd or str(root), timeout=timeout, env=e, fork=env is None)
     if p.returncode != 0:
         raise RuntimeError(f"subprocess failed rc={p.returncode}:\n{p.stderr[-6000:]}")
     return p.stdout

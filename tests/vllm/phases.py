@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -57,11 +55,8 @@ def run(model: Path, root: Path, prompts: list[list[int]], *, connector: str | N
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]))
     import zygote
 
-    if zygote.enabled():  # a fork of a process that imported vLLM (zygote.py): same code, same argv
-        p = zygote.run(SCRIPT.format(here=str(HERE)), [json.dumps(args)], cwd=os.getcwd(), timeout=600)
-    else:
-        p = subprocess.run([sys.executable, "-c", SCRIPT.format(here=str(HERE)), json.dumps(args)],
-                           capture_output=True, text=True, timeout=600, env=env)
+    # a fork of a process that imported vLLM (zygote.py), or a new interpreter with `env`
+    p = zygote.run(SCRIPT.format(here=str(HERE)), [json.dumps(args)], cwd=os.getcwd(), timeout=600, env=env)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
         return {"error": (p.stderr or p.stdout)[-4000:]}

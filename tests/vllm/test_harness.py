@@ -154,14 +154,15 @@ def test_a_forked_phase_is_a_fresh_script_and_reports_like_one():
     import zygote
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests", "vllm")]))  # unforked
     first = zygote.run("import sys, harness\nharness._zygote_mark = 1\nprint('ARGV', sys.argv[1:], __name__)",
-                       ["a", "b"], cwd=root, timeout=120)
+                       ["a", "b"], cwd=root, timeout=120, env=env)
     assert first.returncode == 0 and "ARGV ['a', 'b'] __main__" in first.stdout, first
-    second = zygote.run("import harness\nprint('MARK', getattr(harness, '_zygote_mark', None))", cwd=root, timeout=120)
+    second = zygote.run("import harness\nprint('MARK', getattr(harness, '_zygote_mark', None))", cwd=root, timeout=120, env=env)
     assert "MARK None" in second.stdout, second  # the first phase's change died with it
-    exited = zygote.run("import sys\nprint('bye', file=sys.stderr)\nsys.exit(3)", cwd=root, timeout=120)
+    exited = zygote.run("import sys\nprint('bye', file=sys.stderr)\nsys.exit(3)", cwd=root, timeout=120, env=env)
     assert exited.returncode == 3 and "bye" in exited.stderr
-    raised = zygote.run("raise ValueError('field x: 7, expected 8')", cwd=root, timeout=120)
+    raised = zygote.run("raise ValueError('field x: 7, expected 8')", cwd=root, timeout=120, env=env)
     assert raised.returncode == 1 and "ValueError: field x: 7" in raised.stderr
     with pytest.raises(RuntimeError, match="rc=1"):
         harness.run_in_subprocess("raise SystemExit(1)")

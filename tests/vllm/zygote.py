@@ -72,8 +72,15 @@ def _child(code: str, argv: list[str], cwd: str, out_path: str, err_path: str) -
         os._exit(code_rc)
 
 
-def run(code: str, argv: list[str] | tuple[str, ...] = (), *, cwd: str, timeout: float) -> Completed:
-    """`python -c code *argv` in a child forked from the server; its exit code and output."""
+def run(code: str, argv: list[str] | tuple[str, ...] = (), *, cwd: str, timeout: float,
+        env: dict[str, str], fork: bool = True) -> Completed:
+    """`python -c code *argv`: its exit code and output. Forked from the server where `fork` and
+    `enabled()` (the fork inherits this process's environment); else a new interpreter with `env`
+    (a phase that sets its own environment must pass fork=False)."""
+    if not (fork and enabled()):
+        p = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True,
+                           timeout=timeout, cwd=cwd)
+        return Completed(p.returncode, p.stdout, p.stderr)
     with tempfile.TemporaryDirectory(prefix="tutti-zygote-") as d:
         out_path, err_path = os.path.join(d, "out"), os.path.join(d, "err")
         for path in (out_path, err_path):
