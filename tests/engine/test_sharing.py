@@ -183,6 +183,43 @@ def test_another_writers_damaged_files_fail_its_chunks_never_the_step(tmp_path, 
         b.close()
 
 
+@pytest.mark.parametrize("checks", [True, False])
+def test_another_writers_chunk_rewritten_mid_step_is_never_served_even_with_checksums_off(tmp_path, checks):
+    """Hardening round three, item 2: `verify_checksums: false` trusts this writer's own chunks
+    only. The namespace's writer '' with checks off still follows named writers; writer a evicts
+    and rewrites the slot of a chunk b is loading, after b read its first layer. Layers 1-2 then
+    come from another prompt: unchecked they were scattered and served (failed=[]); every
+    chunk of another writer is checked whatever the flag says, so the chunk fails."""
+    a = Server(tmp_path, "a", 0)
+    b = Server(tmp_path, "", 1, verify_checksums=checks)
+    try:
+        p = prompt(5, 2)
+        _, _, plan = a.request("r1", p, list(range(0, 2 * BPC + 1)))
+        assert wait_for(lambda: all(k in b.planner.foreign for k in (st.key for st in plan.stores)))
+        hit = b.planner.match("r2", p, 0)
+        assert hit == 2 * T
+        dst = list(range(10, 10 + 2 * BPC + 1))
+        b.planner.on_alloc("r2", dst, hit)
+        plan_b = b.planner.build_step({"r2": 1}, {"r2": hit})
+        assert {ld.source for ld in plan_b.loads} == {"a"}
+        w = b.worker
+        w.start_step(plan_b)
+        w.wait_layer(0)
+        w.save_layer(0)
+        for i in range(2):  # a fills its 4-slot capacity with other prompts: b's slots are rewritten
+            a.request(f"fill{i}", prompt(200 + i, 2), list(range(0, 2 * BPC + 1)))
+        for layer in range(1, L):
+            w.wait_layer(layer)
+            w.save_layer(layer)
+        w.end_step()
+        w.flush()
+        failed = w.take_failed_blocks()
+        assert failed == set(range(10, 10 + 2 * BPC)), failed  # recomputed: never another prompt's KV
+    finally:
+        a.close()
+        b.close()
+
+
 class AutoServer(Server):
     """A server from the shared config with no writer id: its worker first (as vLLM builds them),
     then its scheduler, which learns the slot the worker took under vLLM's engine id."""

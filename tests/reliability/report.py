@@ -103,9 +103,31 @@ def render(rows: list[dict], *, env: str = "") -> str:
     summary = ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items()))
     out.append(f"| **Total** | {len(rows)} tests | {summary} | {tot['requests']} | {tot['faults']} | "
                f"{tot['bad_inputs']} | {tot['bytes_lost']} | | | {tot['seconds']:.0f} |")
-    out += ["", f"Last full run: {env}" if env else "", "", *ROUND_TWO, "", *LIMITS, ""]
+    out += ["", f"Last full run: {env}" if env else "", "", *ROUND_THREE, "", *ROUND_TWO, "", *LIMITS, ""]
     return "\n".join(out)
 
+
+#: The third audit's findings (#48), each with the test that fails without its fix, or the reason it is open.
+ROUND_THREE = [
+    "## Hardening, round three (an attacker sharing the store root, and faults)",
+    "",
+    "| # | Finding | Status | Test (fails without the fix) |",
+    "|---|---|---|---|",
+    "| 1 | High: a full tmpfs killed the server with SIGBUS: a writer on a RAM root mapped its whole capacity over "
+    "sparse slabs, so once /dev/shm filled (another process, or two replicas with one config that both saw the "
+    "space free) the next copy into an unbacked page faulted; the same with `mapped_loads: true` on a disk | fixed: "
+    "a writer reserves every byte of a slab (`posix_fallocate`) before it maps it writable; a slab the file system "
+    "cannot reserve stays unmapped and its stores take the file path, where a full disk fails one store with ENOSPC; "
+    "a close on a full disk no longer raises (the records it could not journal are misses) | "
+    "tests/reliability/test_disk_full.py::test_a_ram_root_crowded_out_after_start_never_faults_the_server, "
+    "tests/reliability/test_disk_full.py::test_two_replicas_with_one_config_on_one_small_tmpfs_never_fault |",
+    "| 2 | High: with `verify_checksums: false` on the namespace's writer (`''`, explicit or the first `auto`), "
+    "another writer's chunks were loaded unchecked: a chunk its owner rewrote mid-step (or a stale follower map "
+    "after inode reuse) served another prompt's KV | fixed: the flag trusts this writer's own chunks only; a "
+    "step that loads any chunk of another writer verifies it whatever the flag says | "
+    "tests/engine/test_sharing.py::test_another_writers_chunk_rewritten_mid_step_is_never_served_even_with_"
+    "checksums_off |",
+]
 
 #: The second audit's findings (#28), each with the test that fails without its fix, or the reason it is open.
 ROUND_TWO = [

@@ -179,7 +179,10 @@ class LoadPipeline:
             # blocks just handed to these requests may still be in use by work already queued
             # on the compute stream (a freed request's last step): scatter only after it
             self.stream.wait_stream(torch.cuda.current_stream(ctx.device))
-        if ctx.cfg.verify_checksums and ctx.mac is None:  # keyed tags are checked on the host instead
+        # verify_checksums: false trusts this writer's own chunks only: another writer's are
+        # checked whatever the flag says (it may evict and rewrite a slot while we read it)
+        foreign = any(ld.source is not None for ld in self._loads)
+        if (ctx.cfg.verify_checksums or foreign) and ctx.mac is None:  # keyed tags are checked on the host instead
             with self._on_stream():
                 self._bad = torch.zeros((len(self._loads), ctx.num_layers), dtype=torch.bool, device=ctx.device)
         # RAM roots: the chunks whose slabs are mapped, whole (tutti.engine.mapped_loads; one block

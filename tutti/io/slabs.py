@@ -175,25 +175,28 @@ class Slabs:
         return max(0, min(self.slots_per_slab, local_slots - slab * self.slots_per_slab)) * self.slot_bytes
 
     def map_slab(self, r: int, slab: int):
-        """Map one slab; a writer first makes the file as long as its slots (sparse)."""
+        """Map one slab; a writer first reserves every byte of its slots (`reserve`)."""
         length = self.length(r, slab)
         try:
             fd = self.fd(r, slab)
-            if self.writer and os.fstat(fd).st_size < length:
-                os.ftruncate(fd, length)
+            if self.writer:
+                reserve(fd, length)
             return self.maps.map((r, slab), fd, length)
         except OSError as exc:
-            # ENOENT (no chunk stored there yet), ENOMEM...: the file path still works
+            # ENOENT (no chunk stored there yet), ENOSPC (the file system cannot back it),
+            # ENOMEM...: the file path still works, and fails a store cleanly where space lacks
             if exc.errno != errno.ENOENT:
-                log_once(f"tutti: slab {r}/{slab} cannot be mapped ({exc}); loads read it through the file")
+                log_once(f"tutti: slab {r}/{slab} cannot be mapped ({exc}); it is read and written through "
+                         "the file")
             return None
 
     def map_all(self) -> int:
         """Map (and register) every slab file at a server's start-up, so that no request, and no
         store while the server serves, pays for pinning pages (cudaHostRegister takes CUDA's
         locks: beside the step it stalls it). A writer first creates every slab of its capacity
-        (sparse, as long as its slots): the whole capacity is then pinned RAM, as vLLM pins its CPU
-        tier. Returns the bytes mapped."""
+        (reserved, as long as its slots: `reserve`): the whole capacity is then pinned RAM, as vLLM
+        pins its CPU tier. A slab the file system cannot reserve stays unmapped, and stores keep
+        the file path. Returns the bytes mapped."""
         if self.maps is None:
             return 0
         with self.mutex:
@@ -204,6 +207,8 @@ class Slabs:
                     continue
                 local_slots = (self.num_slots - r + len(self.ns.roots) - 1) // len(self.ns.roots)
                 free = free_bytes(ns_fd)
+                if free is not None:  # what our slabs already hold (reserved by an earlier start) counts as ours
+                    free += _allocated_bytes(ns_fd)
                 if self.writer and free is not None and free < local_slots * self.slot_bytes:
                     # pinning the pages of a capacity the file system cannot hold would fault the
                     # server (SIGBUS past a tmpfs's size): map what exists, the rest when created
@@ -254,6 +259,31 @@ class Slabs:
             except OSError:
                 pass
         self.fds.clear()
+
+
+def reserve(fd: int, length: int) -> None:
+    """Back [0, length) of a writer's slab with real blocks (pages, on tmpfs) before it is mapped
+    writable. A sparse slab is a promise the file system may break: once /dev/shm or the disk
+    fills (another server, NCCL, torch), the first copy into an unbacked page of the mapping
+    gets SIGBUS, which kills the server, where a write() would have failed one store with
+    ENOSPC. posix_fallocate raises ENOSPC now instead, and leaves the file as it was (tmpfs and
+    ext4 undo a partial allocation), so the slab stays on the file path."""
+    if os.fstat(fd).st_size >= length and not _has_hole(fd, 0, length):
+        return
+    os.posix_fallocate(fd, 0, length)
+
+
+def _allocated_bytes(ns_fd: int) -> int:
+    """Bytes the file system has allocated to the slab files in a namespace directory."""
+    total = 0
+    for name in os.listdir(ns_fd):
+        if slab_sort_key(name)[0] < 0:
+            continue
+        try:
+            total += os.stat(name, dir_fd=ns_fd, follow_symlinks=False).st_blocks * 512
+        except OSError:
+            pass
+    return total
 
 
 def _has_hole(fd: int, start: int, end: int) -> bool:

@@ -38,7 +38,7 @@ from tutti.io.journal import Entry, Journal
 from tutti.io.namespace import (  # noqa: F401 - the store's names, importable from here as before
     DEFAULT_SLOTS_PER_SLAB, JOURNAL, LOCK, MANIFEST, NAMESPACE_PREFIX, STORE_FORMAT, STORE_VERSION, WRITER_ID,
     WRITER_PREFIX, ManifestMismatchError, Namespace, NamespaceInfo, StoreLockedError, StoreRootError, list_namespaces,
-    list_writers, namespace_dir, slab_sort_key,
+    list_writers, log_once, namespace_dir, slab_sort_key,
 )
 from tutti.io.safefs import PRIVATE, Access
 from tutti.io.slabs import DEFAULT_MAX_OPEN_SLABS, Slabs, slab_name
@@ -461,6 +461,9 @@ class ChunkStore:
         try:  # pending records are made durable on a clean close; a crash would drop them
             if self.journal is not None and self.writer and self.journal.pending_records:
                 self.journal.sync()
+        except OSError as exc:  # a full disk: the records not written are chunks not journaled (misses)
+            log_once(f"tutti: closing the store at {self.namespaces[0]!r} could not journal its last "
+                     f"{self.journal.pending_records} records ({exc}); those chunks are not kept")
         finally:
             if self.journal is not None:
                 self.journal.close()
