@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tutti.engine import hit_policy as hit_policy_mod  # noqa: E402
-from tutti.engine.admission import DriveShare, get_admission  # noqa: E402
-from tutti.engine.hit_policy import get_policy  # noqa: E402
+from tutti.engine.sched import hit_policy as hit_policy_mod  # noqa: E402
+from tutti.engine.sched.admission import DriveShare, get_admission  # noqa: E402
+from tutti.engine.sched.hit_policy import get_policy  # noqa: E402
 from tutti.engine.keys import namespace_seed  # noqa: E402
 from tutti.engine.plan import WorkerReport  # noqa: E402
-from tutti.engine.planner import Planner  # noqa: E402
+from tutti.engine.sched.planner import Planner  # noqa: E402
 
 
 class Clock:

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tutti.engine.keys import namespace_seed  # noqa: E402
 from tutti.engine.plan import WorkerReport  # noqa: E402
-from tutti.engine.planner import Planner  # noqa: E402
+from tutti.engine.sched.planner import Planner  # noqa: E402
 
 
 def run(a, capacity_fraction: float, seed: int) -> dict:

@@ -88,8 +88,8 @@ def run_case(case: str, a) -> dict:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import SamplingParams
 
-    from tutti.demo import on_cuda
-    from tutti.engine.hit_policy import Always, Never
+    from tutti.tools.demo import on_cuda
+    from tutti.engine.sched.hit_policy import Always, Never
     from tutti.vllm import compat
 
     root = f"{a.root}-{case}"

@@ -65,8 +65,8 @@ def run_phase(phase: str, a) -> dict:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from gpu_kv_proof import rpc_reseed
 
-    from tutti.demo import on_cuda
-    from tutti.engine.hit_policy import Always, CostModel, Never
+    from tutti.tools.demo import on_cuda
+    from tutti.engine.sched.hit_policy import Always, CostModel, Never
     from tutti.vllm import compat
 
     if a.trace:
@@ -279,7 +279,7 @@ def main() -> None:
                              "give its path, or leave --py-spy out")
     os.makedirs(a.out, exist_ok=True)
     if a.tiny:
-        from tutti.demo import make_tiny_model
+        from tutti.tools.demo import make_tiny_model
 
         a.model = str(make_tiny_model(os.path.join(a.out, "tiny-model"), num_layers=4, vocab=4096,
                                       max_position=max(a.lengths) + 1024))

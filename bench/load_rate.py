@@ -112,7 +112,7 @@ def _copy_rate(host: torch.Tensor, rounds: int = 4) -> float:
 def ceilings(root: str, nbytes: int) -> dict:
     from tutti.io.buffers import aligned_buffer
     from tutti.io.queue import IORequest, open_queue, submit_all, wait_all
-    from tutti.io.rammap import fs_type, register_host
+    from tutti.store.rammap import fs_type, register_host
 
     out = {"fs": fs_type(root)}
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.startswith("slab-"))

@@ -30,7 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from tutti.engine.config import parse_bytes  # noqa: E402
+from tutti.engine.config.settings import parse_bytes  # noqa: E402
 from tutti.io.buffers import aligned_buffer  # noqa: E402
 from tutti.io.queue import READ, WRITE, IORequest, ReadsFirst, open_queue, submit_all, submit_windowed  # noqa: E402
 

@@ -95,7 +95,7 @@ def write_tokenizer(model_dir: str, vocab: int, max_len: int) -> None:
 def prepare_model(a) -> str:
     d = os.path.join(a.out, "model")
     if a.tiny:
-        from tutti.demo import make_tiny_model
+        from tutti.tools.demo import make_tiny_model
 
         make_tiny_model(d, num_layers=4, vocab=a.vocab, max_position=a.max_len + 64)
     else:
@@ -142,7 +142,7 @@ VARIANTS: dict[str, dict] = {
     # launches a mapped root's from the step's thread: async_launch)
     "tutti_shm_thread": {"async_launch": "thread"},
     # the disk's whole loads read layer by layer (tutti before session 13; the default reads a
-    # chunk's slot at once: tutti.engine.file_chunks)
+    # chunk's slot at once: tutti.engine.worker.loads.file_chunks)
     "tutti_disk_layer": {"whole_loads": "layer"},
 }
 
@@ -504,7 +504,7 @@ def main() -> None:
                          turns=2, turn_len=64, concurrency=2, capacity="256MiB", chunk_tokens=64).items():
             if getattr(a, k) == ap.get_default(k):
                 setattr(a, k, v)
-    from tutti.engine.config import parse_bytes
+    from tutti.engine.config.settings import parse_bytes
 
     a.capacity_bytes = parse_bytes("capacity", a.capacity)
     a.vocab = 512 if a.tiny else 32000

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tutti.engine.hit_policy import CostModel, HitQuery, Rates, attention_weight, get_policy  # noqa: E402
+from tutti.engine.sched.hit_policy import CostModel, HitQuery, Rates, attention_weight, get_policy  # noqa: E402
 
 B8 = 128 * 1024  # KV bytes a token of the 8B geometry moves (32 layers x 8 heads x 128 x K,V x bf16)
 W8 = attention_weight(hidden=4096, q_heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32, attention_layers=32)

@@ -161,9 +161,9 @@ def count_syncs(fn):
 def hit_shape(n: int, chunk_tokens: int = 256) -> int:
     """The tokens a full tutti hit of an n-token prompt covers: its whole chunks before the last
     token, or, for a prompt ending on a chunk's end, all but the last block (the tail hit,
-    tutti.engine.planner). vLLM's own prefix cache holding this many tokens is the reference a hit
+    tutti.engine.sched.planner). vLLM's own prefix cache holding this many tokens is the reference a hit
     is compared with: greedy tokens of seeded weights can flip with the compute's shape."""
-    from tutti.demo import on_cuda
+    from tutti.tools.demo import on_cuda
 
     block = 16 if on_cuda() else 32  # bench_engine's block sizes
     if n % chunk_tokens == 0 and chunk_tokens > block:
@@ -177,7 +177,7 @@ def bench_engine(model: str, kvt: dict | None, *, max_len: int, gpu_mem: float, 
     """A vllm.LLM for the benchmarks through the demo's make_llm (one harness): vLLM's default mode
     (torch.compile + CUDA graphs) unless `eager`; on the CPU build a smoke-run engine. The step's
     token budget is the whole prompt unless `batched_tokens` says otherwise."""
-    from tutti.demo import make_llm, on_cuda
+    from tutti.tools.demo import make_llm, on_cuda
 
     kw = dict(skip_tokenizer_init=True, gpu_memory_utilization=gpu_mem, max_model_len=max_len,
               max_num_batched_tokens=batched_tokens or max_len, max_num_seqs=256, dtype="bfloat16",
@@ -227,7 +227,7 @@ def run_case(case: str, a) -> dict:
                        compilation_config={"cudagraph_mode": "PIECEWISE"} if case == "recompute_piecewise" else None)
     start_s = time.time() - t0
     reseeded = 0
-    from tutti.demo import on_cuda
+    from tutti.tools.demo import on_cuda
 
     if on_cuda():  # dummy weights give the same tokens whatever the KV holds; seeded ones do not
         sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -375,7 +375,7 @@ def main() -> None:
                     help="also read tutti_shm's and tutti_disk's slab files raw (the storage ceiling; minutes)")
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
-    from tutti.engine.config import parse_bytes
+    from tutti.engine.config.settings import parse_bytes
 
     a.capacity_int = parse_bytes("capacity", a.capacity)
     if a.case:

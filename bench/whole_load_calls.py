@@ -3,7 +3,7 @@
 A load awaited whole (every asynchronous load on tutti's loading thread, a FULL CUDA-graph step)
 of a 4k-token hit is stored through the real WorkerPipeline on a disk root, then loaded back
 whole through the same worker, alternately by the per-layer path (a read, copy, verify, scatter
-and event per layer and group of chunks) and chunk-major (tutti/engine/file_chunks.py: one read
+and event per layer and group of chunks) and chunk-major (tutti/engine/worker/loads/file_chunks.py: one read
 per chunk, one copy/verify/scatter per group of chunks). Per job: host seconds, IO requests (a
 wrapper of the real queue counts them) and torch calls made from Python (a TorchFunctionMode
 counts every torch function and tensor method called: each releases and takes the GIL back):
@@ -34,7 +34,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-import tutti.engine.loads as loads_mod  # noqa: E402
+import tutti.engine.worker.loads.pipeline as loads_mod  # noqa: E402
 from load_rate import store_all, worker  # noqa: E402
 from tutti.engine.build import Geometry  # noqa: E402
 from tutti.engine.plan import LoadChunk, StepPlan  # noqa: E402

@@ -302,7 +302,7 @@ def rpc_set(self, what: str, value) -> bool:
             if w.async_loads is not None:  # received at once, nothing read or written
                 w.async_loads._run = lambda *args, **kw: (set(), set())
                 if w.async_loads.inline is not None:  # jobs launched from the step's thread: the same
-                    from tutti.engine.loads import Detached
+                    from tutti.engine.worker.loads.pipeline import Detached
 
                     w.async_loads.inline.launch_detached = lambda loads: Detached(
                         loads=[], sums=[], bad_host=None, landed=None, started=None, pool_buffer=None, nbytes=0,
@@ -321,7 +321,7 @@ def rpc_set(self, what: str, value) -> bool:
 def run_case(case: str, a) -> dict:
     import torch
 
-    from tutti.demo import greedy, make_llm, on_cuda
+    from tutti.tools.demo import greedy, make_llm, on_cuda
 
     cuda = on_cuda()  # not torch.cuda.is_available(): the engine core is forked from this process
     # vLLM's default: the engine core in its own process (tutti's demo harness keeps it in-process)
@@ -385,7 +385,7 @@ def run_case(case: str, a) -> dict:
     # load time (in-place changes never reach the matmuls), so the smoke run loads the demo's
     # seeded tiny Llama instead.
     info["reseeded"] = (f"{a.reseed}: {rpc(rpc_reseed, 1234, a.reseed)} tensors" if cuda
-                        else "weights from tutti.demo.make_tiny_model")
+                        else "weights from tutti.tools.demo.make_tiny_model")
     info["worker"] = rpc(rpc_install)
     out = {}
     prompts = {}
@@ -498,7 +498,7 @@ def main() -> None:
         return
     os.makedirs(a.out, exist_ok=True)
     if a.tiny:
-        from tutti.demo import make_tiny_model
+        from tutti.tools.demo import make_tiny_model
 
         model = str(make_tiny_model(os.path.join(a.out, "tiny-model"), num_layers=4, vocab=a.vocab,
                                     max_position=max(a.lengths) + 1024))

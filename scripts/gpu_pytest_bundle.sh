@@ -3,7 +3,7 @@
 # network, can run the CUDA cases of the unit tests:
 #   bash scripts/gpu_pytest_bundle.sh
 #   run(command="bash .gpu/setup.sh >/dev/null && . .gpu/env.sh && unset TRITON_INTERPRET && "
-#               "PYTHONPATH=$PWD/.gpu_pytest:$PYTHONPATH python3 -m pytest -q -x tests/engine/test_worker.py -k cuda",
+#               "PYTHONPATH=$PWD/.gpu_pytest:$PYTHONPATH python3 -m pytest -q -x tests/engine/worker/test_pipeline.py -k cuda",
 #       carry=[".gpu", ".gpu_pytest"])
 set -euo pipefail
 cd "$(dirname "$0")/.."

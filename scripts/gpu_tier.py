@@ -100,8 +100,8 @@ def run_phase(a, name: str, tier: str, root: str, model: str, lengths: list[int]
 
 def damage(root: str) -> int:
     """Flip one byte in every chunk tutti's tier stored (through its journal's slots)."""
-    from tutti.io.journal import Journal
-    from tutti.io.store import JOURNAL
+    from tutti.store.journal import Journal
+    from tutti.store.chunk_store import JOURNAL
 
     flipped = 0
     for ns in glob.glob(os.path.join(root, "tutti-*")):

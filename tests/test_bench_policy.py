@@ -6,7 +6,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import test_policy_bench as pb  # noqa: E402
-from tutti.engine.hit_policy import get_policy  # noqa: E402
+from tutti.engine.sched.hit_policy import get_policy  # noqa: E402
 
 
 def test_each_decision_is_split_as_the_counters_split_it_and_auto_is_never_worse_in_its_model():

@@ -70,7 +70,7 @@ def test_gil_samples_of_a_spawned_engine_core_are_its_own_process(tmp_path):
     f = tmp_path / "gil.txt"
     f.write_text("\n".join([
         f"{server};thread (1): MainThread;step (detokenizer.py:225) 30",
-        f"{server};{core};thread (7): tutti-async-loads;upload (tutti/engine/context.py:96) 10",
+        f"{server};{core};thread (7): tutti-async-loads;upload (tutti/engine/worker/context.py:96) 10",
         f"{server};{core};thread (6): MainThread;execute_model (core.py:1403) 20",
     ]) + "\n")
     s = gp.summarize(str(f), seconds=1.0, rate=100)

@@ -2,6 +2,6 @@
 
 import sys
 
-from tutti.cli import main
+from tutti.tools.cli import main
 
 sys.exit(main())

@@ -12,7 +12,7 @@ import torch
 from tutti.engine.keys import chunk_keys
 from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk, WorkerReport
 from tutti.engine.build import Geometry, build_planner, build_worker
-from tutti.io.store import list_namespaces
+from tutti.store.chunk_store import list_namespaces
 from tutti.kernels import PagedLayout
 
 L, B, N, D = 2, 16, 16, 32  # layers, blocks, tokens/block, head size (MHA) / latent size (MLA)

@@ -27,6 +27,6 @@ def test_a_refused_registration_does_not_fail_the_next_kernel():
 def test_without_cuda_nothing_is_loaded():
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
-    from tutti.io import rammap
+    from tutti.store import rammap
 
     assert rammap.register_host(0, 4096) is None

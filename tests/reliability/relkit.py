@@ -71,8 +71,8 @@ def stats(llm) -> dict:
 _VERIFY = r'''
 import json, os, sys
 import torch
-from tutti.io.fingerprint import Fingerprint
-from tutti.io.store import ChunkStore, list_namespaces
+from tutti.store.fingerprint import Fingerprint
+from tutti.store.chunk_store import ChunkStore, list_namespaces
 from tutti.kernels import segment_checksum
 
 root = sys.argv[1]

@@ -138,7 +138,7 @@ ROUND_TWO = [
     "| 1 | keyed tags do not bind the TP/PP rank: a group member can copy rank 1's files into rank 0's "
     "namespace | fixed: a tag binds the namespace digest it is right for (rank, geometry, model; not the writer), "
     "integrity `blake2b-mac-64-bound` (old keyed stores form another namespace) | "
-    "tests/engine/test_worker.py::test_keyed_tags_bind_the_rank |",
+    "tests/engine/worker/test_pipeline.py::test_keyed_tags_bind_the_rank |",
     "| 2 | another writer's manifest `slots_per_slab` 0/null/'64'/[] crashed the reader's step | fixed: validated "
     "on read, any failure of another writer's files fails that writer's chunks | "
     "tests/engine/test_sharing.py::test_another_writers_damaged_files_fail_its_chunks_never_the_step |",
@@ -146,12 +146,12 @@ ROUND_TWO = [
     "named writers (`writer_id`, what replicas use): their directory is 2750, files 0640, LOCK 0600; left by design "
     "for the namespace's only writer (`writer_id` ''), a role the group's members take in turns over group-writable "
     "files whose every byte is checked against its keyed tag | "
-    "tests/io/test_store_sharing.py::test_a_member_cannot_lock_replace_or_write_a_named_writers_directory |",
+    "tests/store/test_store_sharing.py::test_a_member_cannot_lock_replace_or_write_a_named_writers_directory |",
     "| 3 | mapped loads with a secret checked one read and copied another | fixed: no mapped loads with a secret "
-    "(the file path verifies the staged copy the GPU receives) | tests/engine/test_worker.py::test_a_secret_turns_mapped_loads_off |",
+    "(the file path verifies the staged copy the GPU receives) | tests/engine/worker/test_pipeline.py::test_a_secret_turns_mapped_loads_off |",
     "| 4 | SIGBUS: a slab truncated under its mapping | fixed for our own slabs (fstat before every mapped view: "
     "the file path fails the chunk); other writers' and readers' slabs are no longer mapped at all | "
-    "tests/engine/test_worker.py::test_a_mapped_slab_that_shrank_is_never_touched |",
+    "tests/engine/worker/test_pipeline.py::test_a_mapped_slab_that_shrank_is_never_touched |",
     "| 5 | a refused foreign journal raised out of `start_step` | fixed: per-writer failures in the step's refresh "
     "fail that writer's chunks | tests/engine/test_sharing.py (the `journal hard link` case) |",
     "| 6 | the tier's namespace misses the weights' identity, CP sizes, layer names, layout | fixed: the weights' "
@@ -159,7 +159,7 @@ ROUND_TWO = [
     "own CPU-tier blocks, `vllm-offload-chunk`) do not depend on beyond the chunk size already named | "
     "tests/vllm/test_tier.py::test_a_checkpoint_replaced_at_the_same_path_is_another_namespace |",
     "| 7 | `verify_checksums: false` with `writer_id` | fixed: refused at start, naming both | "
-    "tests/engine/test_config.py::test_checksums_off_is_refused_where_writers_share_a_root |",
+    "tests/engine/config/test_settings.py::test_checksums_off_is_refused_where_writers_share_a_root |",
     "| 8 | the layer-wise checksum's blind spots | fixed: format 2, two sums of position-tied MurmurHash3-mixed "
     "words (a few integer ops a word of a memory-bound pass; its H200 cost is not measured yet) | "
     "tests/kernels/test_checksum.py::test_no_blind_spots_of_the_linear_sums |",
@@ -174,10 +174,10 @@ ROUND_TWO = [
     "restarts; (c) following 2 writers x 200k chunks costs 0.2 s a round off the step (the scheduler's follower "
     "thread); the 55 ms worker step after one appended record is the foreign journal views' refresh, bounded by "
     "records appended, to be moved off the step with the follower | "
-    "tests/engine/test_config.py::test_round_two_small_config_items, "
+    "tests/engine/config/test_settings.py::test_round_two_small_config_items, "
     "tests/vllm/test_tier.py::test_a_load_job_for_a_chunk_no_longer_held_fails |",
     "| 10 | context parallelism (DCP/PCP > 1) | refused at start, naming the size (not in the fingerprint: "
-    "nothing with them can start) | tests/engine/test_config.py::test_context_parallelism_is_refused_by_name |",
+    "nothing with them can start) | tests/engine/config/test_settings.py::test_context_parallelism_is_refused_by_name |",
     "| r1 | left from round one: a NUL byte in a root; the same root for two ranks; `tutti inspect` reading a whole "
     "journal into memory; a second writer after LOCK is unlinked; journal records piling up on a full disk | fixed: a "
     "NUL in a root and a directory listed twice as stripes refused naming the key. Left, with reasons: the same root "
@@ -185,7 +185,7 @@ ROUND_TWO = [
     "second writer after `LOCK` is unlinked stops the first from recording (it notices its lock is gone), so two "
     "writers never interleave; `tutti inspect`'s memory on a 3 GiB sparse journal and `close()` raising ENOSPC on a "
     "full disk lose nothing stored (records not written are chunks not journaled: misses) and are left for the "
-    "store split (#30) | tests/engine/test_config.py::test_a_nul_in_a_root_and_a_root_listed_twice_are_refused |",
+    "store split (#30) | tests/engine/config/test_settings.py::test_a_nul_in_a_root_and_a_root_listed_twice_are_refused |",
     "| - | a load failing its checksum under vLLM's asynchronous scheduler gave wrong tokens (#25) | fixed: "
     "`async_loads` (auto there) | tests/vllm/test_connector.py::test_corrupt_chunk_is_recomputed_and_counted[async]; "
     "on the GPU: docs/results/kv_proof.md |",

@@ -38,7 +38,7 @@ def start_fails(tiny_model, kvt: dict, match: str, watch=None) -> str:
 
 
 def test_bad_values_fail_before_any_request_or_io(tiny_model, tmp_path, report):
-    from tutti.engine.config import EngineConfig
+    from tutti.engine.config.settings import EngineConfig
 
     root = tmp_path / "kv"  # never created: a refused start must not create it
     ok = {"root": str(root), "capacity_bytes": "16MiB"}

@@ -83,7 +83,7 @@ def _parallel_layouts(root, chunk: int, first_digest: str) -> int:
     """The scheduler's index for TP=2 / PP=2 geometries of the same model over the same root: empty."""
     from tutti.engine.build import Geometry, build_planner
 
-    from tutti.io.store import list_namespaces
+    from tutti.store.chunk_store import list_namespaces
 
     # the geometry the first server used, read back from its manifest
     fp = next(n.manifest["fingerprint"] for n in list_namespaces(str(root)) if n.digest == first_digest)

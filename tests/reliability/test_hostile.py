@@ -19,8 +19,8 @@ PROMPT_LEN = 4 * CHUNK + 5
 
 
 def test_planted_namespace_refused_and_forged_chunks_recomputed(tiny_model, tmp_path, report, monkeypatch):
-    from tutti.io.fingerprint import Fingerprint
-    from tutti.io.store import ChunkStore, list_namespaces
+    from tutti.store.fingerprint import Fingerprint
+    from tutti.store.chunk_store import ChunkStore, list_namespaces
     from tutti.kernels import segment_checksum
 
     report.tried = ("(1) another uid pre-creates the namespace in a sticky world-writable root, mode 0777, with "

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 # The generated model and the environment live in the package (the demo needs them too).
-# One harness: the demo's (tutti/demo.py) engine, model and generation helpers.
-from tutti.demo import (  # noqa: E402,F401
+# One harness: the demo's (tutti/tools/demo.py) engine, model and generation helpers.
+from tutti.tools.demo import (  # noqa: E402,F401
     BLOCK_SIZE, ENV_DEFAULTS, flush_worker, generate_ids, greedy, make_llm, make_tiny_model, set_env, shutdown_llm,
 )
 

@@ -24,7 +24,7 @@ if args["connector"]:
     kvt = harness.kv_config(args["root"], chunk=args["chunk"], capacity="64MiB")
     kvt["kv_connector"] = args["connector"]
 if args["drop"]:  # the negative control: these loads leave their blocks alone
-    from tutti.engine import planner as P
+    from tutti.engine.sched import planner as P
     orig = P.Planner._chunk_blocks
     drop = args["drop"]
     def blocks(self, r, c, state=False):

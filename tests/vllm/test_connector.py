@@ -11,7 +11,7 @@ import json
 import pytest
 
 import harness
-from tutti.engine.hit_policy import attention_weight
+from tutti.engine.sched.hit_policy import attention_weight
 import phases
 
 from connector_kit import CHUNK, child_run, kv_config, prompt, reference, results_of  # noqa: F401 (reference: a fixture)

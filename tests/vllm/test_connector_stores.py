@@ -50,7 +50,7 @@ def test_preemption_gives_identical_tokens(tiny_model, tmp_path, reference):
 
 
 def test_bad_configs_fail_at_startup_with_clear_errors(tiny_model, tmp_path):
-    from tutti.engine.config import EngineConfig
+    from tutti.engine.config.settings import EngineConfig
 
     cases = [
         ({"root": str(tmp_path), "capacity_bytes": "1GiB", "chunk_tokns": 64}, "unknown key"),
@@ -114,7 +114,7 @@ def test_auto_staging_takes_every_store_of_back_to_back_full_steps(tiny_model, t
     """Staging left "auto" is sized from the geometry and vLLM's step budget (two steps of
     stores): six prompts of 1000 tokens submitted at once fill six full steps of 1024 tokens
     (16 chunks each) back to back, and every chunk is stored, none skipped. (The staging-full
-    path that skips and counts is tests/engine/test_worker.py's; here the defaults must hold.)"""
+    path that skips and counts is tests/engine/worker/test_pipeline.py's; here the defaults must hold.)"""
     prompts = [prompt(60 + i, 1000) for i in range(6)]
     res, stats = child_run(tiny_model, kv_config(tmp_path / "kv"), prompts, max_tokens=2)
     assert stats["stores_skipped"] == 0 and stats["stores_failed"] == 0

@@ -12,7 +12,7 @@ from connector_kit import CHUNK, child_run, kv_config, prompt, reference, result
 
 TAIL_CONTROL = """
 import dataclasses
-from tutti.engine import planner as P
+from tutti.engine.sched import planner as P
 orig = P.Planner._plan_tail
 def plan_tail(self, r, c, end):  # the negative control: the tail chunk's load writes the null block only
     ok = orig(self, r, c, end)

@@ -170,7 +170,7 @@ def test_stored_and_removed_events_reach_zmq_subscribers(tiny_model, tmp_path, f
 
 
 def test_event_endpoint_and_topic_are_validated():
-    from tutti.engine.config import EngineConfig
+    from tutti.engine.config.settings import EngineConfig
 
     base = {"root": "/tmp/x", "capacity_bytes": "1GiB"}
     for ok in ("tcp://*:5557", "tcp://indexer:5557", "tcp://127.0.0.1:0", "ipc:///tmp/tutti.sock", ""):
@@ -210,7 +210,7 @@ def test_events_name_the_blocks_of_the_identity_that_stored_the_chunk():
 
     from vllm.distributed.kv_events import BlockStored
 
-    from tutti.engine.planner import Planner
+    from tutti.engine.sched.planner import Planner
     from tutti.vllm.compat import request_identity
     from tutti.vllm.events import KVEventTracker
 
@@ -235,7 +235,7 @@ def test_events_name_the_blocks_of_the_identity_that_stored_the_chunk():
 
 
 def test_another_writers_chunks_are_announced_from_its_recorded_extras():
-    """What one server announces for its chunk, it records (tutti.io.extras); another server
+    """What one server announces for its chunk, it records (tutti.store.extras); another server
     announces the same BlockStored from that record and a BlockRemoved when the owner evicts;
     a chunk it holds itself, extras that do not parse, and hashes of another hash seed are
     never announced."""
@@ -243,7 +243,7 @@ def test_another_writers_chunks_are_announced_from_its_recorded_extras():
 
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    from tutti.engine.planner import Planner
+    from tutti.engine.sched.planner import Planner
     from tutti.vllm.events import KVEventTracker
 
     toks = _prompt(5, 129)

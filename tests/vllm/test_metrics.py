@@ -90,7 +90,7 @@ def test_stats_payload_survives_vllm_msgpack_and_rebuilds_through_the_connector_
 
 
 def test_scheduler_tracker_sends_deltas_and_gauges_only_on_change():
-    from tutti.engine.planner import PlannerStats
+    from tutti.engine.sched.planner import PlannerStats
 
     ps = PlannerStats()
     t = SchedulerStatsTracker(capacity_bytes=1000)
@@ -138,7 +138,7 @@ def test_prom_metrics_observe_counts_and_sets_per_engine():
 def test_nvtx_range_is_a_shared_noop_on_cpu(monkeypatch):
     import torch
 
-    from tutti.engine import context
+    from tutti.engine.worker import context
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present: ranges are real")
@@ -164,7 +164,7 @@ def test_nvtx_range_is_a_shared_noop_on_cpu(monkeypatch):
 def test_nvtx_uses_tutti_prefix_when_cuda_is_present(monkeypatch):
     import torch
 
-    from tutti.engine import context
+    from tutti.engine.worker import context
 
     context._nvtx_backend.cache_clear()
     seen = []
@@ -180,7 +180,7 @@ def test_nvtx_uses_tutti_prefix_when_cuda_is_present(monkeypatch):
 
 
 def test_every_pipeline_stage_has_an_nvtx_range():
-    src = "".join((ROOT / "tutti" / "engine" / f).read_text() for f in ("loads.py", "stores.py"))
+    src = "".join(p.read_text() for p in sorted((ROOT / "tutti" / "engine" / "worker").rglob("*.py")))
     stages = set(re.findall(r'nvtx_range\("([a-z_0-9]+)"', src))
     assert {"read", "io_wait", "load_wait", "verify", "scatter", "gather", "d2h_wait", "write", "commit"} <= stages, stages
 

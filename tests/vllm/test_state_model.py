@@ -84,7 +84,7 @@ def test_a_mamba_hybrid_stores_states_and_hits(model, stored):
     # written: a chunk entry's attention layer, a state entry's two Mamba layers (not the rest of a slot)
     seg = json.loads(next(root.rglob("manifest.json")).read_text())["segment_bytes"]
     assert s["stats"]["bytes_stored"] == 3 * 5 * (1 + 2) * seg
-    from tutti.storetools import verify_store
+    from tutti.tools.storetools import verify_store
 
     v = verify_store([str(root)], progress=False)
     assert (v.slots, v.mismatches, v.errors) == (30, [], [])

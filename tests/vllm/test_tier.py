@@ -212,7 +212,7 @@ def test_direct_io_where_the_cpu_tier_is_aligned(tmp_path):
 
 def test_tutti_verify_checks_a_tier_store(tmp_path):
     """`tutti verify` knows the tier's CRC tags: a clean tier store passes, a flipped byte is named."""
-    from tutti.storetools import verify_store
+    from tutti.tools.storetools import verify_store
 
     t = tier(tmp_path, primary())
     assert run(t, job(1, KEYS, [0, 1, 2, 3], False))

@@ -69,8 +69,8 @@ def tp_run(model_dir, root: Path, prompts, corrupt=None) -> list[dict]:
 
 def rank_stores(root: Path):
     """tp_rank -> a reader ChunkStore over that rank's namespace on disk."""
-    from tutti.io.fingerprint import Fingerprint
-    from tutti.io.store import ChunkStore, list_namespaces
+    from tutti.store.fingerprint import Fingerprint
+    from tutti.store.chunk_store import ChunkStore, list_namespaces
 
     out = {}
     for ns in list_namespaces(str(root)):
@@ -152,7 +152,7 @@ def test_corrupt_shard_on_one_rank_is_recomputed_on_both(stored, reloaded):
     assert res["resident"] == 3  # the chunk was dropped from the index; chunks 1-3 stay
     after, before, slot0 = rank_entries(reloaded["root"]), reloaded["before"], reloaded["slot0"]
     assert slot0 not in after[1] and after[0] == before[0]  # rank 1 journaled the slot free
-    from tutti.engine.planner import rebuild_entries
+    from tutti.engine.sched.planner import rebuild_entries
 
     assert slot0 not in rebuild_entries([after[0], after[1]])  # a restart does not hit on it
 
@@ -165,7 +165,7 @@ def test_vllm_aggregates_tp_worker_outputs_the_way_the_planner_counts():
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     from tutti.engine.plan import WorkerReport
-    from tutti.engine.planner import Planner
+    from tutti.engine.sched.planner import Planner
     from tutti.vllm.connector import TuttiConnectorMetadata, TuttiWorkerMetadata
 
     planner = Planner(num_slots=8, chunk_tokens=64, block_size=32, seed=b"s" * 32, num_workers=2)

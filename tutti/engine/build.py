@@ -12,11 +12,11 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from tutti.engine import claims
-from tutti.engine.config import DEFAULT_WRITE_WINDOW, ConfigError, EngineConfig
+from tutti.engine.config.settings import DEFAULT_WRITE_WINDOW, ConfigError, EngineConfig
 from tutti.engine.geometry import Geometry  # noqa: F401 - also imported from here (its old home)
-from tutti.engine.planner import Planner, rebuild_entries
-from tutti.engine.worker import WorkerPipeline
-from tutti.io.rammap import RAM_FILESYSTEMS, fs_type
+from tutti.engine.sched.planner import Planner, rebuild_entries
+from tutti.engine.worker.pipeline import WorkerPipeline
+from tutti.store.rammap import RAM_FILESYSTEMS, fs_type
 
 log = logging.getLogger("tutti.engine")
 
@@ -26,7 +26,7 @@ READ_SECRET = object()  # build_planner/build_worker: read the config's secret (
 
 def segment_mac(cfg: EngineConfig):
     """The keyed tagger of a config with a secret, else None (the secret is read, never kept in cfg)."""
-    from tutti.io.integrity import SegmentMac, load_secret
+    from tutti.store.integrity import SegmentMac, load_secret
 
     secret = load_secret(file=cfg.secret_file or None, env=cfg.secret_env or None)
     return None if secret is None else SegmentMac(secret)
@@ -34,7 +34,7 @@ def segment_mac(cfg: EngineConfig):
 
 def store_access(cfg: EngineConfig):
     """Private files, or shared with cfg.share_group (validated in the config)."""
-    from tutti.engine.config import resolve_group
+    from tutti.engine.config.settings import resolve_group
     from tutti.io.safefs import PRIVATE, Access
 
     return Access(resolve_group(cfg.share_group)) if cfg.share_group else PRIVATE
@@ -95,11 +95,11 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
     """The scheduler's half: the index rebuilt from every rank's journal. `engine_id`: vLLM's,
     under which this process's worker recorded the writer id it took ("auto"). `announce`:
     chunks are announced (KV events), so this writer records its chunks' extras
-    (`planner.extras`, tutti.io.extras) and follows the other writers' extras."""
-    from tutti.engine.admission import get_admission
-    from tutti.engine.eviction import get_eviction
-    from tutti.engine.hit_policy import get_policy
-    from tutti.io.store import ChunkStore
+    (`planner.extras`, tutti.store.extras) and follows the other writers' extras."""
+    from tutti.engine.sched.admission import get_admission
+    from tutti.engine.sched.eviction import get_eviction
+    from tutti.engine.sched.hit_policy import get_policy
+    from tutti.store.chunk_store import ChunkStore
 
     cfg = EngineConfig.of(raw_config, rank=0)  # parsed once; other ranks: cfg.for_rank
     if cfg.writer_id == claims.AUTO:  # the slot this engine's worker took (tutti.engine.claims)
@@ -142,7 +142,7 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
 
 def _writer_dir(cfg: EngineConfig, geom: Geometry, writer_id: str) -> str:
     """A writer's directory on the first root of the first store rank (where its extras live)."""
-    from tutti.io.store import WRITER_PREFIX, namespace_dir
+    from tutti.store.chunk_store import WRITER_PREFIX, namespace_dir
 
     tp, pp, _ = geom.store_ranks[0]
     top = namespace_dir(cfg.roots[0], geom.for_rank(tp, pp).fingerprint())
@@ -150,9 +150,9 @@ def _writer_dir(cfg: EngineConfig, geom: Geometry, writer_id: str) -> str:
 
 
 def _extras_writer(cfg: EngineConfig, geom: Geometry, live: set[bytes]):
-    """This writer's extras (tutti.io.extras), or None where its directory cannot take them:
+    """This writer's extras (tutti.store.extras), or None where its directory cannot take them:
     announcing is advisory, the store works without it."""
-    from tutti.io.extras import ExtrasWriter
+    from tutti.store.extras import ExtrasWriter
 
     access = store_access(cfg)
     try:
@@ -167,7 +167,7 @@ def _extras_writer(cfg: EngineConfig, geom: Geometry, live: set[bytes]):
 def _foreign_index(cfg: EngineConfig, geom: Geometry, *, announce: bool = False):
     """The scheduler's view of the other writers of the namespace (every store rank)."""
     from tutti.engine.sharing import FOREIGN_CAPACITY, ForeignIndex
-    from tutti.io.store import ChunkStore, list_writers
+    from tutti.store.chunk_store import ChunkStore, list_writers
 
     ranks = list(geom.store_ranks)
     rank_cfgs = [cfg.for_rank(rank) for _, _, rank in ranks]
@@ -182,7 +182,7 @@ def _foreign_index(cfg: EngineConfig, geom: Geometry, *, announce: bool = False)
                           capacity_bytes=FOREIGN_CAPACITY, writer=False, access=store_access(cfg), writer_id=writer)
 
     def open_extras(writer: str):
-        from tutti.io.extras import ExtrasReader
+        from tutti.store.extras import ExtrasReader
 
         return ExtrasReader(_writer_dir(rank_cfgs[0], geom, writer), store_access(cfg))
 
@@ -193,7 +193,7 @@ def _foreign_index(cfg: EngineConfig, geom: Geometry, *, announce: bool = False)
 def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file, access, maps):
     """The worker's writer store, and cfg with the writer id it took: the configured one, or
     for "auto" the first free slot of tutti.engine.claims (recorded under `engine_id`)."""
-    from tutti.io.store import ChunkStore, StoreLockedError
+    from tutti.store.chunk_store import ChunkStore, StoreLockedError
 
     def open_as(writer_id: str):
         return ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
@@ -234,7 +234,7 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
     None: only where the config says true ("auto" is the connector's to resolve, from what vLLM runs).
     `step_tokens`: vLLM's token budget of a step, which "auto" staging is sized for."""
     from tutti.io.queue import open_queue
-    from tutti.io.store import ChunkStore
+    from tutti.store.chunk_store import ChunkStore
     from tutti.kernels import get_variant, segment_checksum
 
     cfg = EngineConfig.of(raw_config, rank=rank).sized_staging(
@@ -323,7 +323,7 @@ class ReplicaReader:
         self._open()
 
     def _open(self):
-        from tutti.io.store import ChunkStore
+        from tutti.store.chunk_store import ChunkStore
 
         if self._store is None:
             try:

@@ -94,7 +94,7 @@ class Geometry:
         return Geometry(**{**vars(self), "tp_rank": tp_rank, "pp_rank": pp_rank})
 
     def fingerprint(self):
-        from tutti.io.fingerprint import Fingerprint
+        from tutti.store.fingerprint import Fingerprint
         return Fingerprint(
             model=self.model, cache_dtype=self.cache_dtype, format_version=FORMAT_VERSION,
             chunk_tokens=self.chunk_tokens, num_layers=self.num_layers, num_heads=self.num_heads,

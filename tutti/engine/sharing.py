@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Callable
 
-from tutti.engine.context import JournalView
-from tutti.engine.planner import rebuild_entries
+from tutti.engine.worker.context import JournalView
+from tutti.engine.sched.planner import rebuild_entries
 
 log = logging.getLogger("tutti.engine")
 
@@ -37,7 +37,7 @@ class ForeignIndex:
     def __init__(self, *, own_id: str, num_ranks: int, list_writers: Callable[[], list[str]],
                  open_reader: Callable[[int, str], object], interval_s: float = 0.2,
                  open_extras: Callable[[str], object] | None = None) -> None:
-        """`open_extras(writer)`: a tutti.io.extras.ExtrasReader of that writer's extras, to
+        """`open_extras(writer)`: a tutti.store.extras.ExtrasReader of that writer's extras, to
         announce its chunks (take_events); None: nothing is announced."""
         self.own_id = own_id
         self._open_extras = open_extras

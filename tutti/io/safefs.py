@@ -39,7 +39,7 @@ class Access:
     `gid`; a file or directory of another uid is accepted only if its group is `gid` and no
     one outside the group can write it. The group is trusted to keep the data (read access to
     the KV); what it may write is trusted only through the keyed tags of a shared secret, which
-    the configuration requires with a group (tutti.engine.config).
+    the configuration requires with a group (tutti.engine.config.settings).
     """
 
     gid: int | None = None

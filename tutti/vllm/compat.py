@@ -119,7 +119,7 @@ def step_tokens(vllm_config: Any) -> int | None:
 def attention_weight(vllm_config: Any) -> float:
     """How a prompt token's compute grows with its position (`HitQuery.attention_weight`), from the
     model's config; 0 (every token alike) where the config does not say its shape."""
-    from tutti.engine.hit_policy import attention_weight as weight
+    from tutti.engine.sched.hit_policy import attention_weight as weight
 
     mc = getattr(vllm_config, "model_config", None)
     hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)

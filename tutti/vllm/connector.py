@@ -6,8 +6,8 @@ Load it with
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"root": "/mnt/nvme/tutti", "capacity_bytes": "64GiB"}}'
 
-The scheduler half owns the chunk index (tutti.engine.planner); each worker half moves bytes
-layer by layer (tutti.engine.worker). This module only translates callbacks.
+The scheduler half owns the chunk index (tutti.engine.sched.planner); each worker half moves bytes
+layer by layer (tutti.engine.worker.pipeline). This module only translates callbacks.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from tutti.engine.config import ConfigError, EngineConfig
+from tutti.engine.config.settings import ConfigError, EngineConfig
 from tutti.engine.plan import StepPlan, WorkerReport
 from tutti.engine import claims
 from tutti.engine.build import build_planner, build_worker, check_geometry, segment_mac, with_integrity
@@ -530,7 +530,7 @@ class TuttiHybridConnectorV1(TuttiConnectorV1, *compat.HMA_MIXINS):
     sliding-window layer stores every chunk but loads only the chunks inside its window at the
     hit's end. Mamba/linear-attention state groups are refused at start.
 
-    Its hits load asynchronously (tutti.engine.async_loads): vLLM holds the request until the
+    Its hits load asynchronously (tutti.engine.worker.async_loads): vLLM holds the request until the
     worker reports it received, and with several KV cache groups it takes a failed load only per
     request (get_transfer_results' failed_recving), never block by block; a failed request is
     recomputed. vLLM 0.32 or later (the API that carries those failures).

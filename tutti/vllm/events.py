@@ -47,7 +47,7 @@ class _ChunkMeta:
 
 
 def _enc(h: Any) -> Any:
-    """A vLLM block hash for JSON (tutti.io.extras): bytes as hex, ints as they are."""
+    """A vLLM block hash for JSON (tutti.store.extras): bytes as hex, ints as they are."""
     return h.hex() if isinstance(h, (bytes, bytearray)) else int(h)
 
 
@@ -108,11 +108,11 @@ class KVEventTracker:
         self._key_index: dict[str, dict[bytes, int]] = {}
         self._meta: dict[bytes, _ChunkMeta] = {}
         # (key, extras) of own chunks announced since take_recorded(), for other servers to
-        # announce (tutti.io.extras); keys of own chunks removed since
+        # announce (tutti.store.extras); keys of own chunks removed since
         self._recorded: list[tuple[bytes, dict[str, Any]]] = []
         self._removed: list[bytes] = []
         self._seed: str | None = None
-        self.lookup = None  # key -> this writer's recorded extras (tutti.io.extras.ExtrasWriter.lookup)
+        self.lookup = None  # key -> this writer's recorded extras (tutti.store.extras.ExtrasWriter.lookup)
         self._foreign_seeds_warned: set[str] = set()
 
     # -- requests (from get_num_new_matched_tokens / request_finished) --------------------------

@@ -28,13 +28,13 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
-from tutti.engine.config import parse_bytes, resolve_root
-from tutti.engine.index import ChunkIndex
+from tutti.engine.config.settings import parse_bytes, resolve_root
+from tutti.engine.sched.index import ChunkIndex
 from tutti.io.buffers import open_direct
-from tutti.io.fingerprint import Fingerprint
+from tutti.store.fingerprint import Fingerprint
 from tutti.format import FORMAT_VERSION, align_up
-from tutti.io.integrity import CRC_TAG, SegmentMac, crc_tag, load_secret
-from tutti.io.store import ChunkStore
+from tutti.store.integrity import CRC_TAG, SegmentMac, crc_tag, load_secret
+from tutti.store.chunk_store import ChunkStore
 from tutti.vllm import compat
 from tutti.vllm.logs import route_tutti_logs
 

@@ -1,0 +1,220 @@
+"""Sharing one store root between servers of different users (Access with a group), run as
+real separate uids: each case forks, drops to its uid, gid and groups (setresuid, as a login
+would), and works on a sticky world-writable root like a cluster's scratch directory.
+
+Needs root to switch uids; elsewhere it is skipped (saying so)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import stat
+import tempfile
+import traceback
+
+import pytest
+
+from tutti.store.integrity import SegmentMac
+from tutti.io.safefs import PRIVATE, Access, UnsafeFileError
+from tutti.store.chunk_store import ChunkStore, StoreRootError
+
+from test_chunk_store import SEG, chunk_key, layer_bytes, make_fp, pwrite_all
+
+GROUP = 4400
+ALICE, BOB, CAROL, MALLORY = 4401, 4402, 4403, 4404
+SECRET = b"s" * 32
+SHARED = Access(GROUP)
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching to other uids needs root; not run here")
+
+
+def as_user(uid: int, groups: list[int], fn, *args):
+    """Run fn(*args) in a child process with uid/gid/groups dropped for good and umask 077
+    (the narrowest a user may have); return its result or re-raise its exception's text."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            os.setgroups(groups)
+            os.setresgid(groups[0], groups[0], groups[0])
+            os.setresuid(uid, uid, uid)
+            os.umask(0o077)
+            out = ("ok", fn(*args))
+        except BaseException as exc:  # noqa: BLE001
+            out = ("err", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        with os.fdopen(w, "wb") as f:
+            pickle.dump(out, f)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return pickle.loads(data)
+
+
+@pytest.fixture
+def scratch():
+    d = tempfile.mkdtemp(prefix="tutti-scratch-", dir="/tmp")
+    os.chmod(d, 0o1777)  # like /scratch: everyone may create, nobody may remove others' entries
+    yield os.path.join(d, "kv")
+    import shutil
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def open_store(root, access, writer=True):
+    return ChunkStore(root, make_fp(), capacity_bytes=8 * 3 * SEG, writer=writer, access=access)
+
+
+def put_chunk(root, access, i, slot, mac: SegmentMac | None, bytes_of: int | None = None):
+    """Write chunk i (with the bytes of chunk `bytes_of`, default i) into `slot` with keyed tags
+    (or unkeyed stand-ins without a mac)."""
+    with open_store(root, access) as st:
+        key = chunk_key(i)
+        tags = []
+        for layer in range(3):
+            data = layer_bytes(chunk_key(i if bytes_of is None else bytes_of), layer, SEG)
+            fd, off = st.location(slot, layer)
+            pwrite_all(fd, data, off)
+            tags.append(mac.tag(key, layer, data) if mac else sum(data))
+        st.record_free([slot])
+        st.sync_journal()
+        st.sync_data([slot])
+        st.record_put(key, slot, tags)
+        st.sync_journal()
+        return sorted(st.entries())
+
+
+def verify_all(root, access, mac: SegmentMac):
+    """slot -> whether every layer's bytes match their journaled keyed tag (as a server checks)."""
+    with open_store(root, access, writer=False) as st:
+        out = {}
+        for slot, e in st.entries().items():
+            ok = True
+            for layer in range(3):
+                fd, off = st.location(slot, layer)
+                ok &= mac.tag(e.key, layer, os.pread(fd, SEG, off)) == e.checksums[layer]
+            out[slot] = ok
+        return out
+
+
+def modes(root):
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            st = os.lstat(os.path.join(dirpath, name))
+            out[os.path.relpath(os.path.join(dirpath, name), root)] = (stat.S_IMODE(st.st_mode), st.st_gid)
+    return out
+
+
+def test_two_users_of_one_group_share_a_store(scratch):
+    mac = SegmentMac(SECRET)
+    res = as_user(ALICE, [GROUP], put_chunk, scratch, SHARED, 0, 0, mac)
+    assert res == ("ok", [0]), res
+    # created 2770 / 0660 with the sharing group although the users' umask is 077
+    got = as_user(ALICE, [GROUP], modes, scratch)[1]
+    assert got and all((m, g) == ((0o2770 if os.path.isdir(os.path.join(scratch, p)) else 0o660), GROUP)
+                       for p, (m, g) in got.items()), got
+    # Bob, another uid in the group, becomes the writer: he reads Alice's chunk and adds his own
+    res = as_user(BOB, [GROUP], put_chunk, scratch, SHARED, 1, 5, mac)
+    assert res == ("ok", [0, 5]), res
+    # Alice, now a reader, serves both, and every tag checks
+    assert as_user(ALICE, [GROUP], verify_all, scratch, SHARED, mac) == ("ok", {0: True, 5: True})
+    # ... and after Bob's writes everything is still of the group, nothing world-accessible
+    got = as_user(BOB, [GROUP], modes, scratch)[1]
+    assert all(g == GROUP and not m & 0o007 for m, g in got.values()), got
+
+
+def test_a_private_store_refuses_the_files_of_another_user(scratch):
+    assert as_user(ALICE, [GROUP], put_chunk, scratch, SHARED, 0, 0, SegmentMac(SECRET))[0] == "ok"
+    res = as_user(BOB, [GROUP], put_chunk, scratch, PRIVATE, 1, 1, None)
+    assert res[0] == "err" and UnsafeFileError.__name__ in res[1] and f"owned by uid {ALICE}" in res[1], res
+
+
+def test_a_user_outside_the_group_can_neither_read_nor_write(scratch):
+    assert as_user(ALICE, [GROUP], put_chunk, scratch, SHARED, 0, 0, SegmentMac(SECRET))[0] == "ok"
+    for fn, args in ((verify_all, (scratch, SHARED, SegmentMac(SECRET))), (put_chunk, (scratch, SHARED, 1, 1, None))):
+        res = as_user(CAROL, [CAROL], fn, *args)
+        assert res[0] == "err" and ("Permission denied" in res[1] or "permission" in res[1]), res
+        assert any(t in res[1] for t in (StoreRootError.__name__, "PermissionError")), res
+
+
+def test_a_group_member_without_the_secret_cannot_forge_kv(scratch):
+    mac = SegmentMac(SECRET)
+    assert as_user(ALICE, [GROUP], put_chunk, scratch, SHARED, 0, 0, mac)[0] == "ok"
+    # Mallory is in the group (he may write the files) but lacks the secret: he files other
+    # bytes under Alice's chunk's key, with the tags he can compute (none keyed by the secret)
+    forged = as_user(MALLORY, [GROUP], put_chunk, scratch, SHARED, 0, 0, SegmentMac(b"m" * 32), 9)
+    assert forged == ("ok", [0]), forged
+    assert as_user(BOB, [GROUP], verify_all, scratch, SHARED, mac) == ("ok", {0: False})
+
+
+def open_named(root, access, writer_id, writer=True):
+    return ChunkStore(root, make_fp(), capacity_bytes=8 * 3 * SEG, writer=writer, access=access, writer_id=writer_id)
+
+
+def put_named(root, slot):
+    mac = SegmentMac(SECRET)
+    with open_named(root, SHARED, "alice") as st:
+        key = chunk_key(slot)
+        tags = []
+        for layer in range(3):
+            data = layer_bytes(key, layer, SEG)
+            fd, off = st.location(slot, layer)
+            pwrite_all(fd, data, off)
+            tags.append(mac.tag(key, layer, data))
+        st.record_free([slot])
+        st.sync_journal()
+        st.sync_data([slot])
+        st.record_put(key, slot, tags)
+        st.sync_journal()
+        return st.namespaces[0]
+
+
+def squat(ns):
+    """What a member without the secret tries against another member's writer directory."""
+    import fcntl
+
+    out = {}
+    for name, flags in (("LOCK", os.O_RDONLY), ("manifest.json", os.O_WRONLY), ("slab-0.bin", os.O_WRONLY)):
+        try:
+            fd = os.open(os.path.join(ns, name), flags)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB) if name == "LOCK" else os.write(fd, b"x")
+                out[name] = "done"
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            out[name] = exc.errno
+    try:
+        os.rename(os.path.join(ns, "manifest.json"), os.path.join(ns, "m.old"))
+        out["rename"] = "done"
+    except OSError as exc:
+        out["rename"] = exc.errno
+    return out
+
+
+def reads(root):
+    with open_named(root, SHARED, "alice", writer=False) as st:
+        return sorted(st.entries())
+
+
+def test_a_member_cannot_lock_replace_or_write_a_named_writers_directory(scratch):
+    """Round two, item 2b: a named writer's directory (w-<id>) is its owner's to write (2750,
+    files 0640, LOCK 0600): another member of the group reads its chunks (and serves them
+    against their tags) but can neither hold its LOCK (stopping its restart), nor overwrite or
+    replace its manifest, nor write its slabs. The namespace directory stays group-writable."""
+    import errno
+
+    res = as_user(ALICE, [GROUP], put_named, scratch, 3)
+    assert res[0] == "ok", res
+    ns = res[1]
+    assert as_user(BOB, [GROUP], reads, scratch) == ("ok", [3])
+    assert as_user(BOB, [GROUP], squat, ns) == ("ok", {"LOCK": errno.EACCES, "manifest.json": errno.EACCES,
+                                                      "slab-0.bin": errno.EACCES, "rename": errno.EACCES})
+    assert as_user(ALICE, [GROUP], put_named, scratch, 4)[0] == "ok"  # Alice restarts as the writer
+    got = as_user(ALICE, [GROUP], modes, scratch)[1]
+    writer_dir = os.path.relpath(ns, scratch)
+    assert got[writer_dir][0] == 0o2750 and got[os.path.dirname(writer_dir)][0] == 0o2770
+    assert got[os.path.join(writer_dir, "LOCK")][0] == 0o600
+    assert got[os.path.join(writer_dir, "manifest.json")][0] == 0o640

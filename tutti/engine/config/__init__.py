@@ -1,0 +1,1 @@
+"""The engine's configuration: every key, its parsing and its checks (settings)."""
