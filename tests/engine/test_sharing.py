@@ -5,6 +5,7 @@ same writer id twice is refused; a writer's capacity bounds only its own files."
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -305,3 +306,67 @@ def test_every_reader_announces_another_writers_chunks_and_their_removal(tmp_pat
         b.planner.extras.close()
         a.close()
         b.close()
+
+
+def test_another_writers_huge_extras_never_grow_a_followers_memory_past_its_bound(tmp_path, monkeypatch):
+    """Round three, item 5: every line of another writer's extras.jsonl was kept, even for keys no
+    writer holds (a 256 MiB file of short lines took a follower from 310 MiB to 3.2 GiB). Lines
+    of chunks not journaled are kept up to MAX_EXTRAS_PENDING, whatever the file holds, while the
+    lines of chunks the writer holds are still announced."""
+    from tutti.engine import sharing
+    from tutti.store.extras import ExtrasWriter
+
+    monkeypatch.setattr(sharing, "MAX_EXTRAS_PENDING", 500)
+    a = Server(tmp_path, "a", 0)
+    b = Server(tmp_path, "b", 1)
+    b.planner.foreign.close()
+    try:
+        p = prompt(7, 2)
+        _, _, plan = a.request("r1", p, list(range(0, 2 * BPC + 1)))
+        wdir = next(d for d in tmp_path.rglob("w-a") if d.is_dir())
+        ex = ExtrasWriter(str(wdir))
+        ex.append([(i.to_bytes(16, "little"), {"junk": i}) for i in range(20000)])  # keys no writer holds
+        ex.append([(st.key, {"h": [i]}) for i, st in enumerate(plan.stores)])
+        ex.close()
+        fi = build_planner(cfg(tmp_path, "b"), geometry(), announce=True).foreign
+        fi.close()  # refreshed by hand below
+        got = []
+        for _ in range(6):
+            fi.refresh()
+            got += fi.take_events()
+            assert len(fi._extras) <= 500 + len(fi), len(fi._extras)
+        assert sorted(k for kind, k, _ in got if kind == "stored") == sorted(st.key for st in plan.stores)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_empty_writer_directories_are_never_followed_and_followers_are_bounded(tmp_path, monkeypatch):
+    """Round three, item 7: every `w-*` directory was followed with its descriptors held for
+    good: 2,100 empty ones took a server to 4,095 of 4,096 descriptors. A writer is followed once
+    its journal exists, and at most MAX_FOLLOWED_WRITERS of them."""
+    from tutti.engine import sharing
+
+    a = Server(tmp_path, "a", 0)
+    try:
+        a.request("r1", prompt(8, 1), list(range(0, BPC + 1)))
+        ns = next(d for d in tmp_path.rglob("w-a") if d.is_dir()).parent
+        for i in range(2000):
+            (ns / f"w-empty{i}").mkdir()
+        fds = len(os.listdir("/proc/self/fd"))
+        b = Server(tmp_path, "b", 1)
+        try:
+            assert b.planner.foreign.writers == ["a"]
+            assert len(os.listdir("/proc/self/fd")) - fds < 100
+        finally:
+            b.close()
+        for w in ("c", "d", "e"):  # real writers with journals, past a cap of 2
+            Server(tmp_path, w, 2).close()
+        monkeypatch.setattr(sharing, "MAX_FOLLOWED_WRITERS", 2)
+        b = Server(tmp_path, "b", 1)
+        try:
+            assert len(b.planner.foreign.writers) == 2
+        finally:
+            b.close()
+    finally:
+        a.close()

@@ -127,6 +127,51 @@ ROUND_THREE = [
     "step that loads any chunk of another writer verifies it whatever the flag says | "
     "tests/engine/test_sharing.py::test_another_writers_chunk_rewritten_mid_step_is_never_served_even_with_"
     "checksums_off |",
+    "| 3 | Med: the namespace directory is 2770 without the sticky bit, so a member renamed `w-a/` away and "
+    "planted her own (`a` then wrote into it); holding the group-writable `''` LOCK and 63 planted `w-auto-N` "
+    "stopped every `auto` server (\"all 64 writer slots are held\") | fixed: a named writer uses its directory "
+    "only if it owns it, and refuses naming the owner's uid (`WriterDirectoryTakenError`); an `auto` server passes "
+    "over slots whose directory another member owns without counting them (up to 4,096 names). Left by design: "
+    "no sticky bit on the namespace directory, since `''` is a role members take in turns and renames its files "
+    "(journal compaction), which a sticky directory forbids across owners; a renamed directory is a denial of "
+    "service, never wrong KV (keyed tags) | tests/store/test_store_sharing.py::test_a_member_cannot_make_a_named_"
+    "writer_write_into_her_directory, tests/store/test_store_sharing.py::test_planted_auto_slots_never_stop_an_"
+    "auto_server |",
+    "| 4 | Med (regression of round two's 2b): a named writer that created a shared root made it 2750, and every "
+    "other member's server refused to start | fixed: the root is created with the namespace's (group-writable) "
+    "mode | tests/store/test_store_sharing.py::test_a_named_writer_that_creates_the_root_leaves_it_to_the_group |",
+    "| 5 | Med: another writer's `extras.jsonl` cost every follower ~11x its size in RAM and stalled the "
+    "scheduler up to 1.1 s while parsed | fixed: one poll reads at most 1 MiB; lines are kept for chunks their "
+    "writer holds, and at most 65,536 for chunks not journaled yet; the writer's own start-up reads its file in "
+    "the same steps, keeping only its live chunks' lines | tests/engine/test_sharing.py::test_another_writers_huge_"
+    "extras_never_grow_a_followers_memory_past_its_bound, tests/store/test_extras.py::test_a_huge_extras_file_is_"
+    "read_in_bounded_steps_and_a_restart_still_reads_it_all |",
+    "| 6 | Med: a deeply nested line in the server's own `extras.jsonl` stopped it from starting (RecursionError) "
+    "| fixed: such a line is skipped like any hostile line | tests/store/test_extras.py::test_a_deeply_nested_line_"
+    "in_a_writers_own_extras_never_stops_its_start |",
+    "| 7 | Med: empty `w-*` directories were each followed with descriptors held for good (2,100 took a server to "
+    "4,095 of 4,096) | fixed: a writer is followed once its journal exists, and at most 128 writers are followed "
+    "(said once in the log) | tests/engine/test_sharing.py::test_empty_writer_directories_are_never_followed_and_"
+    "followers_are_bounded |",
+    "| 8 | Low: `writer_id: auto` with the worker in another process (data parallel > 1): the scheduler assumes "
+    "`''` while the worker took `auto-1` | left, with the reason: no wrong KV (every load is checked against the "
+    "journal of the store it reads), but the DP ranks do not share "
+    "with each other and both announce as writer 0; a data-parallel deployment sets `writer_id` per rank "
+    "(e.g. `\"{host}-dp0\"`) | - |",
+    "| 9 | Low: a deeply nested own `manifest.json` refused the start with a bare RecursionError; `tutti "
+    "inspect` allocated a sparse journal's apparent size (6.3 GiB RSS for 3 GiB) | fixed: the manifest is refused "
+    "naming the file and the fix; the tools replay a journal a block at a time over its holes, as the store does. "
+    "Left, as in round two: inode reuse in a followed journal and a moved writer directory (misses, never wrong "
+    "KV: every foreign chunk is checked), the follow cost | tests/store/test_store_hostile.py::test_a_deeply_nested_"
+    "manifest_is_refused_naming_the_file, tests/tools/test_cli_hostile.py::test_inspect_never_allocates_a_sparse_"
+    "journals_apparent_size |",
+    "| 10 | Seen in passing: a slab that shrank under its writer is never re-extended; another writer's extras "
+    "can announce or remove any key to a router; `ForeignStores` views were refreshed from the step thread and "
+    "the asynchronous-load thread without a lock | fixed: the views' catch-up holds the store set's lock. Left, "
+    "with reasons: a private writer's slabs (0600) shrink only by its own uid's hand, and its stores there fail "
+    "(counted) until a restart, no wrong KV; announcements are advisory (a router's guess, every load is checked), "
+    "and authenticating them needs the secret in the router | tests/engine/test_sharing.py (every test follows "
+    "through `ForeignStores`) |",
 ]
 
 #: The second audit's findings (#28), each with the test that fails without its fix, or the reason it is open.

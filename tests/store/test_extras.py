@@ -74,3 +74,38 @@ def test_links_and_fifos_are_refused(tmp_path):
     w = ExtrasWriter(str(d), live=[b"\x01"])  # and a writer's restart replaces it, unread
     assert w.lookup(b"\x01") is None and (os.stat(d / EXTRAS).st_mode & 0o777) == 0o600
     w.close()
+
+
+def test_a_deeply_nested_line_in_a_writers_own_extras_never_stops_its_start(tmp_path):
+    """Hardening round three, item 6: `''`'s extras are group-writable in share_group mode, and
+    a line nested deeper than the JSON parser's recursion limit raised RecursionError out of the
+    writer's start-up (and out of every follower's poll); it is a hostile line, skipped."""
+    w = ExtrasWriter(str(tmp_path))
+    w.append([(b"k" * 16, {"ok": True})])
+    w.close()
+    deep = b'{"k": "6b6b", "x": ' + b"[" * 30000 + b"]" * 30000 + b"}\n"
+    assert len(deep) < MAX_LINE
+    with open(tmp_path / EXTRAS, "ab") as f:
+        f.write(deep)
+    w = ExtrasWriter(str(tmp_path), live=[b"k" * 16, bytes.fromhex("6b6b")])
+    assert w.lookup(b"k" * 16) == {"ok": True}
+    w.close()
+    r = ExtrasReader(str(tmp_path))
+    assert [k for k, _ in r.poll()] == [b"k" * 16]
+
+
+def test_a_huge_extras_file_is_read_in_bounded_steps_and_a_restart_still_reads_it_all(tmp_path):
+    """Round three, item 5: one poll reads at most 1 MiB, whatever the file holds (so a refresh
+    parses a bounded amount beside the scheduler); the writer's own start-up still reads the
+    whole file step by step, keeping only its live chunks' lines."""
+    w = ExtrasWriter(str(tmp_path))
+    keys = [i.to_bytes(16, "little") for i in range(80000)]  # ~4.5 MiB of lines
+    w.append([(k, {"n": 1}) for k in keys])
+    w.close()
+    assert os.path.getsize(tmp_path / EXTRAS) > 4 << 20
+    r = ExtrasReader(str(tmp_path))
+    first = list(r.poll())
+    assert 0 < len(first) < len(keys) and r.offset <= 1 << 20
+    w = ExtrasWriter(str(tmp_path), live=[keys[0], keys[-1]])
+    assert w.lookup(keys[-1]) == {"n": 1} and w.lookup(keys[0]) == {"n": 1} and len(w.items()) == 2
+    w.close()

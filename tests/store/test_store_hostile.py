@@ -153,3 +153,16 @@ def test_a_writer_whose_lock_was_unlinked_stops_recording(tmp_path):
     with pytest.raises(StoreLockedError, match="removed or replaced"):
         st.sync_journal()  # ...and the first one notices before it writes another record
     second.close()
+
+
+def test_a_deeply_nested_manifest_is_refused_naming_the_file(tmp_path):
+    """Round three, item 9: a manifest.json nested past the parser's recursion limit refused the
+    start with a bare RecursionError; it is a damaged manifest, named with the fix."""
+    from tutti.store.chunk_store import ManifestMismatchError
+
+    with ChunkStore(str(tmp_path), make_fp(), capacity_bytes=4 * 3 * SEG, writer=True) as st:
+        ns = st.namespaces[0]
+    with open(os.path.join(ns, "manifest.json"), "w") as f:
+        f.write("[" * 100000 + "]" * 100000)
+    with pytest.raises(ManifestMismatchError, match="manifest.json.*not valid JSON.*move"):
+        ChunkStore(str(tmp_path), make_fp(), capacity_bytes=4 * 3 * SEG, writer=True)

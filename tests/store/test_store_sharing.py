@@ -18,6 +18,10 @@ from tutti.store.integrity import SegmentMac
 from tutti.io.safefs import PRIVATE, Access, UnsafeFileError
 from tutti.store.chunk_store import ChunkStore, StoreRootError
 
+from tutti.engine import build  # imported before a case forks: the other uids cannot read the packages
+from tutti.engine.config.settings import EngineConfig
+from tutti.engine.geometry import Geometry
+
 from test_chunk_store import SEG, chunk_key, layer_bytes, make_fp, pwrite_all
 
 GROUP = 4400
@@ -218,3 +222,114 @@ def test_a_member_cannot_lock_replace_or_write_a_named_writers_directory(scratch
     assert got[writer_dir][0] == 0o2750 and got[os.path.dirname(writer_dir)][0] == 0o2770
     assert got[os.path.join(writer_dir, "LOCK")][0] == 0o600
     assert got[os.path.join(writer_dir, "manifest.json")][0] == 0o640
+
+
+def put_as(root, writer_id, slot):
+    """A named writer stores one chunk (keyed tags) and returns its writer directory."""
+    mac = SegmentMac(SECRET)
+    with open_named(root, SHARED, writer_id) as st:
+        key = chunk_key(slot)
+        fd, off = st.location(slot, 0)
+        tags = []
+        for layer in range(3):
+            data = layer_bytes(key, layer, SEG)
+            fd, off = st.location(slot, layer)
+            pwrite_all(fd, data, off)
+            tags.append(mac.tag(key, layer, data))
+        st.record_free([slot])
+        st.sync_journal()
+        st.sync_data([slot])
+        st.record_put(key, slot, tags)
+        st.sync_journal()
+        return st.namespaces[0]
+
+
+def test_a_named_writer_that_creates_the_root_leaves_it_to_the_group(scratch):
+    """Round three, item 4: a named writer creating a shared root made it 2750 (its own
+    directory's mode), and every other member's server then refused to start ("lacks read,
+    write and search permission"). The root is the group's, like the namespace."""
+    assert as_user(ALICE, [GROUP], put_as, scratch, "alice", 1)[0] == "ok"
+    st = os.stat(scratch)
+    assert stat.S_IMODE(st.st_mode) == 0o2770 and st.st_gid == GROUP
+    res = as_user(BOB, [GROUP], put_as, scratch, "bob", 2)
+    assert res[0] == "ok", res
+
+
+def plant_writer_dir(ns_top, writer_id):
+    """What a member does to take over another's writer directory: rename it away, make her own."""
+    path = os.path.join(ns_top, "w-" + writer_id)
+    if os.path.exists(path):
+        os.rename(path, path + ".moved")
+    os.mkdir(path)
+    os.chmod(path, 0o2770)  # as the group's own directories are
+    return sorted(os.listdir(path))
+
+
+def test_a_member_cannot_make_a_named_writer_write_into_her_directory(scratch):
+    """Round three, item 3: the namespace directory is group-writable (2770, no sticky bit: the
+    namespace's only writer `''` is a role members take in turns, and renames its files), so a
+    member can rename `w-alice/` away and plant her own. Alice's restart wrote into the planted
+    directory; now a named writer uses its directory only if it owns it, and says whose it is."""
+    ns = as_user(ALICE, [GROUP], put_as, scratch, "alice", 1)[1]
+    top = os.path.dirname(ns)
+    assert as_user(MALLORY, [GROUP], plant_writer_dir, top, "alice") == ("ok", [])
+    res = as_user(ALICE, [GROUP], put_as, scratch, "alice", 2)
+    assert res[0] == "err" and "WriterDirectoryTakenError" in res[1] and f"uid {MALLORY}" in res[1], res
+    assert os.listdir(ns) == []  # nothing written into hers
+
+
+def _geometry():
+    return Geometry(model="tiny", cache_dtype="float32", chunk_tokens=32, block_size=16, num_layers=3, num_heads=2,
+                    content_bytes=2 * 8 * 4)
+
+
+GEOM = _geometry()
+
+
+def hold_the_namespace_and_plant_every_auto_slot(root, ready_w, release_r):
+    """Mallory takes the namespace's writer slot '' (a real store holding its LOCK) and plants
+    w-auto-1 .. w-auto-63, then holds on until told to stop."""
+    from tutti.engine.claims import MAX_AUTO_WRITERS
+
+    st = ChunkStore(root, GEOM.fingerprint(), capacity_bytes=8 * GEOM.slot_bytes, writer=True, access=SHARED,
+                    writer_id="")
+    top = st.namespaces[0]
+    for n in range(1, MAX_AUTO_WRITERS + 1):
+        plant_writer_dir(top, f"auto-{n}")
+    os.write(ready_w, b"1")
+    os.read(release_r, 1)
+    st.close()
+
+
+def claim_auto(root):
+    os.environ["TUTTI_TEST_SECRET"] = SECRET.hex()
+    cfg = EngineConfig.of({"root": root, "capacity_bytes": 8 * GEOM.slot_bytes, "chunk_tokens": 32,
+                           "share_group": str(GROUP),
+                           "secret_env": "TUTTI_TEST_SECRET"})
+    store, cfg = build._claim_store(cfg, GEOM, "", open_file=None, access=build.store_access(cfg), maps=False)
+    store.close()
+    return cfg.writer_id
+
+
+def test_planted_auto_slots_never_stop_an_auto_server(scratch):
+    """Round three, item 3: holding the group-writable `''` LOCK and planting 63 `w-auto-N`
+    directories stopped every `auto` server from starting ("all 64 writer slots are held").
+    A slot whose directory another member owns is passed over without counting."""
+    ready_r, ready_w = os.pipe()
+    release_r, release_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([GROUP])
+            os.setresgid(GROUP, GROUP, GROUP)
+            os.setresuid(MALLORY, MALLORY, MALLORY)
+            hold_the_namespace_and_plant_every_auto_slot(scratch, ready_w, release_r)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        res = as_user(BOB, [GROUP], claim_auto, scratch)
+        assert res == ("ok", "auto-64"), res
+    finally:
+        os.write(release_w, b"1")
+        os.waitpid(pid, 0)

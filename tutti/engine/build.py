@@ -193,7 +193,7 @@ def _foreign_index(cfg: EngineConfig, geom: Geometry, *, announce: bool = False)
 def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file, access, maps):
     """The worker's writer store, and cfg with the writer id it took: the configured one, or
     for "auto" the first free slot of tutti.engine.claims (recorded under `engine_id`)."""
-    from tutti.store.chunk_store import ChunkStore, StoreLockedError
+    from tutti.store.chunk_store import ChunkStore, StoreLockedError, WriterDirectoryTakenError
 
     def open_as(writer_id: str):
         return ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
@@ -204,15 +204,18 @@ def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file
         return open_as(cfg.writer_id), cfg
     multi = geom.num_workers > 1 or not cfg.verify_checksums  # see claims; checksums off: one writer only
     tried = claims.candidates(multi)
+    held = 0
     for i, wid in enumerate(tried):
         try:
             store = open_as(wid)
-        except StoreLockedError:
-            if i + 1 < len(tried):
+        except (StoreLockedError, WriterDirectoryTakenError) as exc:
+            # a slot whose directory another member of the group owns is not ours: passed over
+            held += isinstance(exc, StoreLockedError)
+            if i + 1 < len(tried) and held <= claims.MAX_AUTO_WRITERS:
                 continue
             why = ("with several workers (TP/PP > 1) each rank would pick its slot on its own"
                    if geom.num_workers > 1 else "verify_checksums is off" if not cfg.verify_checksums
-                   else f"all {len(tried)} writer slots are held")
+                   else f"all {held} writer slots are held")
             raise StoreLockedError(
                 f"store roots {list(cfg.roots)}: the namespace's writer slot is held by another server and {why}; "
                 "give each server sharing this root its own \"writer_id\" (e.g. \"{host}-gpu0\")") from None

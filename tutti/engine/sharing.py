@@ -27,6 +27,13 @@ log = logging.getLogger("tutti.engine")
 FOREIGN_CAPACITY = 1 << 62  # readers do not know another writer's capacity: never drop its slots
 
 
+#: Other writers followed at most: each followed writer holds a few descriptors per store rank for
+#: good, so a root with thousands of writer directories must not exhaust the server's.
+MAX_FOLLOWED_WRITERS = 128
+#: Extras lines kept for chunks no writer has journaled yet (see ForeignIndex._follow_extras).
+MAX_EXTRAS_PENDING = 65536
+
+
 class ForeignIndex:
     """key -> (writer id, slot) of the chunks the OTHER writers hold, on every store rank.
 
@@ -53,6 +60,7 @@ class ForeignIndex:
         self._open_reader = open_reader
         self.interval_s = interval_s
         self._readers: dict[str, list] = {}  # writer -> one reader per store rank
+        self._capped = False  # more writers than MAX_FOLLOWED_WRITERS were listed (said once)
         self._map: dict[bytes, tuple[str, int]] = {}
         self._bad: set[tuple[str, int, bytes]] = set()  # failed to load: not served again from there
         self._lock = threading.Lock()
@@ -93,6 +101,12 @@ class ForeignIndex:
         for w in self._list_writers():
             if w == self.own_id or w in self._readers:
                 continue
+            if len(self._readers) >= MAX_FOLLOWED_WRITERS:  # each holds descriptors for good
+                if not self._capped:
+                    self._capped = True
+                    log.warning("tutti: the shared store has more than %d other writers; those past them are "
+                                "not followed (their chunks are misses here)", MAX_FOLLOWED_WRITERS)
+                break
             try:
                 self._readers[w] = [self._open_reader(r, w) for r in range(self.num_ranks)]
             except FileNotFoundError:
@@ -141,7 +155,13 @@ class ForeignIndex:
                     continue
             try:
                 for key, x in rd.poll():
-                    self._extras[key] = (w, x, n)
+                    held = new.get(key)
+                    if held is not None and held[0] == w:
+                        self._extras[key] = (w, x, n)
+                    elif held is None and len(self._extras) < MAX_EXTRAS_PENDING:
+                        # not journaled yet (a writer appends its extras after the record): kept a
+                        # few refreshes, but never more than MAX_EXTRAS lines, whatever a file holds
+                        self._extras[key] = (w, x, n)
             except Exception as exc:  # noqa: BLE001
                 log.debug("tutti: extras of writer %r: %s", w, exc)
         events = []
@@ -208,12 +228,13 @@ class ForeignStores:
         Returns the writers whose files failed (refused, gone, damaged): their chunks fail this
         step, never the step itself."""
         bad: dict[str, Exception] = {}
-        for w in writers:
-            if w in self._stores:
-                try:
-                    self._stores[w][1].new_step()
-                except Exception as exc:  # noqa: BLE001 - another writer's files are hostile input
-                    bad[w] = exc
+        with self._lock:  # the step's thread and the asynchronous loads' catch up with one view each
+            for w in writers:
+                if w in self._stores:
+                    try:
+                        self._stores[w][1].new_step()
+                    except Exception as exc:  # noqa: BLE001 - another writer's files are hostile input
+                        bad[w] = exc
         return bad
 
     def close(self) -> None:

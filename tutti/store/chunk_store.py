@@ -37,7 +37,8 @@ from tutti.store.fingerprint import Fingerprint
 from tutti.store.journal import Entry, Journal
 from tutti.store.namespace import (  # noqa: F401 - the store's names, importable from here as before
     DEFAULT_SLOTS_PER_SLAB, JOURNAL, LOCK, MANIFEST, NAMESPACE_PREFIX, STORE_FORMAT, STORE_VERSION, WRITER_ID,
-    WRITER_PREFIX, ManifestMismatchError, Namespace, NamespaceInfo, StoreLockedError, StoreRootError, list_namespaces,
+    WRITER_PREFIX, ManifestMismatchError, Namespace, NamespaceInfo, StoreLockedError, StoreRootError,
+    WriterDirectoryTakenError, list_namespaces,
     list_writers, log_once, namespace_dir, slab_sort_key,
 )
 from tutti.io.safefs import PRIVATE, Access

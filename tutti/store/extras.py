@@ -26,7 +26,9 @@ from tutti.io.safefs import PRIVATE, Access, check_fd, open_dir, open_file
 
 EXTRAS = "extras.jsonl"
 MAX_LINE = 64 << 10  # bytes; a longer line is neither written nor read
-MAX_READ = 64 << 20  # bytes read per poll: a huge file is followed in steps, never at once
+# bytes read per poll: a huge file is followed in steps, never at once, so one refresh parses at
+# most this much beside the scheduler (a writer appends a line of ~100 B per chunk it stores)
+MAX_READ = 1 << 20
 MAX_KEY_HEX = 128
 COMPACT_FACTOR = 4
 
@@ -45,9 +47,14 @@ class ExtrasWriter:
         keep = set(live)
         self._live: dict[bytes, str] = {}
         if keep:
-            for key, extras in ExtrasReader(directory, access).poll():
-                if key in keep:
-                    self._live[key] = _line(key, extras)
+            rd = ExtrasReader(directory, access)
+            while True:  # the whole file, a step at a time; only the held chunks' lines are kept
+                offset = rd.offset
+                for key, extras in rd.poll():
+                    if key in keep:
+                        self._live[key] = _line(key, extras)
+                if rd.offset == offset:
+                    break
         self._fd = -1
         self.compact()
 
@@ -129,6 +136,11 @@ class ExtrasReader:
         self._tail = b""
         self.skipped = 0  # lines refused
 
+    @property
+    def offset(self) -> int:
+        """Bytes of the current file read so far."""
+        return self._offset
+
     def poll(self) -> Iterator[tuple[bytes, dict[str, Any]]]:
         try:
             d = open_dir(self.directory, check=True, access=self.access, where=f"writer directory {self.directory!r}")
@@ -180,5 +192,5 @@ def _parse(raw: bytes) -> tuple[bytes, dict[str, Any]] | None:
         if not isinstance(k, str) or not 0 < len(k) <= MAX_KEY_HEX or not isinstance(x, dict):
             return None
         return bytes.fromhex(k), x
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deep
         return None

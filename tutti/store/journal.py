@@ -344,6 +344,14 @@ def decode(
     return r.state, r.end
 
 
+def decode_file(fd: int, size: int, where: str) -> tuple[dict[int, Entry], int]:
+    """decode() of the first `size` bytes of an open journal, read a block at a time and over
+    its holes (a sparse 3 GiB journal is never allocated whole): what the read-only tools use."""
+    r = _Replay(_Window(_pread_reader(fd), size, _next_data(fd)), expected_checksums=None, max_slot=None,
+                warn=lambda pos, reason: _warn_skip(where, pos, reason)).run()
+    return r.state, r.end
+
+
 def _warn_skip(where: str, pos: int, reason: str) -> None:
     log.warning("tutti journal %s: skipped the record at byte offset %d: %s", where, pos, reason)
 

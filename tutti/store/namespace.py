@@ -45,6 +45,11 @@ class StoreLockedError(RuntimeError):
     """Another writer (this process or another) holds the namespace."""
 
 
+class WriterDirectoryTakenError(StoreRootError):
+    """A named writer's directory exists but belongs to another user of the sharing group: a
+    member made it (or replaced ours with it); this writer never writes into it."""
+
+
 class ManifestMismatchError(ValueError):
     """A namespace directory whose manifest does not describe what we were asked to open."""
 
@@ -117,11 +122,12 @@ class Namespace:
                 )
             if not self.writer:
                 return False  # nothing stored yet; a reader creates nothing
-            try:
-                os.mkdir(root, self.access.dir_mode)
+            try:  # the group's, like the namespace: a named writer creating a shared root keeps it
+                # writable for the other members (their servers write below it too)
+                os.mkdir(root, self.ns_access.dir_mode)
                 fd = open_dir(root, check=False, where=f"store root {root!r}")
                 try:
-                    self.access.adopt(fd)
+                    self.ns_access.adopt(fd)
                 finally:
                     os.close(fd)
                 fsync_dir(parent)
@@ -155,9 +161,18 @@ class Namespace:
         if fd is None or not self.writer_id:
             return fd
         try:  # this writer's own directory inside the shared namespace
-            return self._child_dir(fd, self.paths[i], need, self.access)
+            own = self._child_dir(fd, self.paths[i], need, self.access)
         finally:
             os.close(fd)
+        if own is not None and self.writer and self.access.shared:
+            uid = os.fstat(own).st_uid
+            if uid != os.geteuid():  # planted, or ours renamed away and replaced: never written into
+                os.close(own)
+                raise WriterDirectoryTakenError(
+                    f"writer directory {self.paths[i]!r} belongs to uid {uid}, not to this server's uid "
+                    f"{os.geteuid()}: another member of the sharing group made it; use another writer_id (or "
+                    "\"auto\"), or have its owner remove it")
+        return own
 
     def _child_dir(self, parent_fd: int, path: str, need: int, access) -> int | None:
         """Open directory `path` (its basename under `parent_fd`), creating it for a writer;
@@ -335,10 +350,20 @@ def list_writers(root: str, fingerprint: Fingerprint) -> list[str]:
         return []
     try:
         files, writer_dirs = scan_namespace(fd)
+        # a writer directory counts once its journal is there: an empty `w-*` (made by anyone
+        # in the group, thousands of them) is never followed, and so holds no descriptor
+        ids = [d[len(WRITER_PREFIX):] for d in writer_dirs
+               if WRITER_ID.fullmatch(d[len(WRITER_PREFIX):]) and _is_file(os.path.join(d, JOURNAL), fd)]
     finally:
         os.close(fd)
-    ids = [d[len(WRITER_PREFIX):] for d in writer_dirs if WRITER_ID.fullmatch(d[len(WRITER_PREFIX):])]
     return sorted(([""] if files.get(JOURNAL) else []) + ids)
+
+
+def _is_file(path: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def scan_namespace(fd: int) -> tuple[dict[str, bool], list[str]]:
@@ -398,7 +423,7 @@ def parse_manifest(raw: bytes, path: str, ns: str) -> dict:
     read manifests through different opens; both parse them here)."""
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise ManifestMismatchError(f"manifest {path!r} is not valid JSON ({exc}); it was edited or damaged: "
                                     f"move {ns!r} aside") from exc
     if not isinstance(data, dict) or data.get("format") != STORE_FORMAT:

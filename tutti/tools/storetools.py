@@ -213,7 +213,7 @@ class StoreNamespace:
     def load_journal(self) -> dict:
         """The journal's state, replayed from the file as it is now (re-read only when its
         inode, size or mtime changed since the last replay). Never writes."""
-        from tutti.store.journal import decode, encode_put
+        from tutti.store.journal import decode_file, encode_put
         where = f"journal {self.journal_path!r}"
         try:
             st = _lstat(JOURNAL, self.dir_fds[0], where)
@@ -230,12 +230,11 @@ class StoreNamespace:
             return self.entries
         try:
             sig = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
-            data = _read_small(fd, st.st_size, st.st_size)
+            state, end = decode_file(fd, st.st_size, repr(self.journal_path))
         except OSError as exc:
             raise _os_problem(where, exc) from None
         finally:
             os.close(fd)
-        state, end = decode(data)
         self.entries = state
         self.journal_bytes = end
         self.journal_live_bytes = sum(_put_bytes(encode_put, s, e) for s, e in state.items())
