@@ -91,7 +91,7 @@ def test_staging_over_half_the_hosts_memory_is_refused():
 def test_staging_bound_follows_sysconf(monkeypatch):
     real = os.sysconf
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (2 << 30) // 4096}  # a 2 GiB host
-    monkeypatch.setattr(config_mod.os, "sysconf", lambda name: pages.get(name) or real(name))
+    monkeypatch.setattr(os, "sysconf", lambda name: pages.get(name) or real(name))
     with pytest.raises(ValueError, match=r"staging_bytes=2147483648: .*the host has 2\.0 GiB.*pass at most 1073741824"):
         EngineConfig.from_dict(base(staging_bytes="2GiB"))
     assert EngineConfig.from_dict(base(staging_bytes="1GiB")).staging_bytes == 1 << 30

@@ -1,0 +1,377 @@
+"""Every configuration key in one table: its group, the values it takes, what it does, an example
+and its parser. `EngineConfig.from_dict` is a loop over this table, and docs/configuration.md is
+rendered from it (`python3 -m tutti.engine.config.spec > docs/configuration.md`; a test fails when
+the two differ). Defaults are the `EngineConfig` dataclass's, never repeated here.
+
+A new key: a field on EngineConfig (with its default), a row here (a parser from the factories
+below or values.py), and the doc rendered again.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Callable, Mapping
+
+from tutti.engine.config.values import (
+    ASYNC_LAUNCHES, MAPPED_STORE_COPIES, WHOLE_LOADS, ConfigError, check_zmq_endpoint, parse_bytes, resolve_group,
+    resolve_writer_id, size_or_keyword,
+)
+
+Parse = Callable[[str, Any], Any]
+
+GROUPS = {
+    "essential": "Essential: what everyone sets",
+    "tuning": "Tuning: IO, staging, loads and stores",
+    "policy": "Policies: what is loaded, stored and evicted",
+    "sharing": "Sharing, security and events",
+    "diagnostics": "Diagnostics and A/B switches",
+}
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key."""
+
+    name: str
+    group: str  # one of GROUPS
+    takes: str  # the values it takes, in words
+    doc: str  # what it does, one line
+    example: Any  # a value, as JSON would write it
+    parse: Parse  # (key, raw value) -> the value EngineConfig holds; ConfigError naming the key otherwise
+    required: bool = False
+
+
+# ---- parser factories --------------------------------------------------------------------------
+def integer(lo: int, hi: int, *, auto: bool = False) -> Parse:
+    def parse(name: str, v: Any) -> Any:
+        if auto and v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ConfigError(f"{name}={v!r}: expected an integer in [{lo}, {hi}]")
+        return v
+    return parse
+
+
+def seconds(lo: float, hi: float, example: str, *, off: float | None = None, auto: bool = False) -> Parse:
+    def parse(name: str, v: Any) -> Any:
+        if auto and v == "auto":
+            return v
+        if off is not None and v == "off":
+            return off
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+            raise ConfigError(f"{name}={v!r}: expected seconds in [{lo}, {hi}], e.g. {example}")
+        return float(v)
+    return parse
+
+
+def tristate(auto_means: str) -> Parse:
+    def parse(name: str, v: Any) -> Any:
+        if not (v == "auto" and isinstance(v, str) or isinstance(v, bool)):
+            raise ConfigError(f"{name}={v!r}: expected \"auto\" ({auto_means}), true or false")
+        return v
+    return parse
+
+
+def flag(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{name}={v!r}: expected true or false")
+    return v
+
+
+def choice(choices: tuple[str, ...], what: str) -> Parse:
+    def parse(name: str, v: Any) -> Any:
+        if v not in choices:
+            raise ConfigError(f"{name}={v!r}: expected one of {list(choices)} ({what})")
+        return v
+    return parse
+
+
+def size(name: str, v: Any) -> int:
+    return parse_bytes(name, v)
+
+
+def size_or(minimum: int, expected: str, *, off: Any = "off") -> Parse:
+    def parse(name: str, v: Any) -> Any:
+        got = size_or_keyword(name, v, minimum, expected)
+        return off if got == "off" else got
+    return parse
+
+
+def text(expected: str, *, empty: bool = True) -> Parse:
+    def parse(name: str, v: Any) -> str:
+        if not isinstance(v, str) or (not empty and not v):
+            raise ConfigError(f"{name}={v!r}: expected {expected}")
+        return v
+    return parse
+
+
+def policy(getter: str) -> Parse:
+    """A policy name that resolves (tutti.engine.sched.*), checked before any IO."""
+    def parse(name: str, v: Any) -> Any:
+        import importlib
+
+        module, _, fn = getter.rpartition(".")
+        try:
+            getattr(importlib.import_module(module), fn)(v)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return v
+    return parse
+
+
+def io_backend(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise ConfigError(f"{name}={v!r}: expected a name (\"auto\", \"uring\", \"threads\", \"nvme\", a "
+                          "registered name) or \"package.module:attr\"")
+    if v != "auto":
+        from tutti.io.queue import resolve_backend
+
+        try:
+            resolve_backend(v)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return v
+
+
+def io_options(name: str, v: Any) -> dict:
+    if not isinstance(v, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in v):
+        raise ConfigError(f"{name}={v!r}: expected a mapping of the backend's keyword options, e.g. {{\"workers\": 8}}")
+    return dict(v)
+
+
+def gil_interval(name: str, v: Any) -> Any:
+    if not (v == "off" or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 0.1)):
+        raise ConfigError(f"{name}={v!r}: expected \"off\" (the interpreter's own) or seconds in (0, 0.1] such as "
+                          "0.0005")
+    return v
+
+
+def group(name: str, v: Any) -> str:
+    resolve_group(v)
+    return str(v)
+
+
+# ---- the table ---------------------------------------------------------------------------------
+_SECRET = "a non-empty string (a path to a file holding the secret, or an environment variable's name)"
+KEYS: dict[str, Key] = {k.name: k for k in (
+    Key("root", "essential", "a directory path (`{rank}` expands to the worker's rank)",
+        "Where the store lives: a directory on NVMe, a RAM file system or a shared file system; `roots` "
+        "instead stripes one store over several directories, one per drive.", "/mnt/nvme/tutti",
+        lambda n, v: v, required=True),
+    Key("capacity_bytes", "essential", "a size: bytes, or a string such as '64GiB'",
+        "The store's size on this root, per rank; the eviction policy keeps it there.", "64GiB", size,
+        required=True),
+    Key("chunk_tokens", "essential", "an integer in [1, 1048576], a multiple of vLLM's block size",
+        "Tokens per stored chunk: the unit of a hit, a store and an eviction.", 256, integer(1, 1 << 20)),
+    Key("io_backend", "tuning", "\"auto\", \"uring\", \"threads\", \"nvme\", a registered name or "
+        "\"package.module:attr\"", "How reads and writes reach the storage; \"auto\": the thread pool on RAM "
+        "roots, io_uring elsewhere.", "uring", io_backend),
+    Key("io_options", "tuning", "a mapping of the backend's keyword options",
+        "Passed to the IO backend as it is opened.", {"workers": 8}, io_options),
+    Key("io_timeout_s", "tuning", "seconds in [0.001, 3600]",
+        "A read not done by then fails its chunk (vLLM recomputes it) instead of hanging the step.", 10,
+        seconds(0.001, 3600, "10")),
+    Key("kernel_variant", "tuning", "\"auto\", \"triton\", \"torch\" or \"package.module:function\"",
+        "The gather/scatter kernels between the paged cache and packed segments.", "triton",
+        text("a registered variant name ('auto', 'triton', 'torch') or 'package.module:function'", empty=False)),
+    Key("lookahead", "tuning", "\"auto\" or an integer in [1, 1024]",
+        "Layers read ahead of the layer being computed; \"auto\": as far as the load staging slots allow.", 2,
+        integer(1, 1024, auto=True)),
+    Key("staging_bytes", "tuning", "\"auto\" or a size",
+        "The pinned host staging ring; \"auto\" (with the next two left out) sizes it from the model and "
+        "vLLM's step so stores are skipped only when the storage is slower than prefill.", "1GiB", size),
+    Key("staging_slots", "tuning", "\"auto\" or an integer in [2, 4096]",
+        "Equal slots the staging ring is cut into (give all three staging keys to size it by hand).", 64,
+        integer(2, 4096)),
+    Key("max_inflight_stores", "tuning", "\"auto\" or an integer in [1, 4096]",
+        "Staging slots stores may hold; the rest serve loads.", 48, integer(1, 4096)),
+    Key("slots_per_slab", "tuning", "an integer in [1, 1048576]",
+        "Chunk slots per slab file (large files: creating and deleting them costs more than a chunk's IO).", 64,
+        integer(1, 1 << 20)),
+    Key("max_open_slabs", "tuning", "an integer in [1, 1048576]",
+        "Slab descriptors kept open (more only while IO in flight holds them).", 256, integer(1, 1 << 20)),
+    Key("mapped_loads", "tuning", "\"auto\", true or false",
+        "Load by copying from slab files mapped into memory; \"auto\": where every root is a private RAM "
+        "file system.", "auto", tristate("RAM roots only")),
+    Key("async_loads", "tuning", "\"auto\", true or false",
+        "Hits load while vLLM holds the request outside the batch, so a failed chunk is recomputed before a "
+        "token is sampled from it; \"auto\": where vLLM schedules asynchronously (its default).", "auto",
+        tristate("where vLLM schedules asynchronously")),
+    Key("async_launch", "tuning", "\"auto\", \"step\" or \"thread\"",
+        "Who launches an asynchronous load from a mapped RAM root; \"auto\": vLLM's step thread where it can.",
+        "auto", choice(ASYNC_LAUNCHES, "who launches an asynchronous load from a mapped RAM root; \"auto\" = "
+                       "\"step\" where it can")),
+    Key("sync_load_budget_bytes", "tuning", "\"auto\", \"off\" or a size",
+        "Bytes one step may load layer-wise; a larger hit loads asynchronously; \"auto\": what the measured read "
+        "rate moves in one step.", "auto",
+        size_or(0, "expected \"auto\" (what the read rate moves in one step), \"off\" (no budget) or a size such "
+                "as '256MiB'")),
+    Key("write_window_bytes", "tuning", "\"auto\", \"off\" or a size of at least 4KiB",
+        "Store writes in flight at once, so hits' reads do not queue behind them; \"auto\": 64MiB on a drive, "
+        "off on RAM roots.", "64MiB",
+        size_or(4096, "expected a size of at least 4KiB such as '64MiB' (store writes in flight at once), "
+                "\"auto\" (64MiB on a drive, off on RAM roots) or \"off\"", off=None)),
+    Key("reads_first", "tuning", "\"auto\", true or false",
+        "While a hit's reads are in flight, stores keep one small write in flight; \"auto\": wherever a write "
+        "window is on.", "auto", tristate("wherever write_window_bytes is a window: a drive")),
+    Key("idle_load_wait_s", "tuning", "\"auto\", \"off\" or seconds in [0, 0.05]",
+        "A step with nothing to compute waits this long for asynchronous loads, the GIL released; \"auto\": "
+        "2 ms where tutti's loading thread loads, 0 where vLLM's thread launches.", "auto",
+        seconds(0, 0.05, '0.002 (or "auto", or "off")', off=0.0, auto=True)),
+    Key("mapped_store_copy", "tuning", "\"auto\", \"dma\", \"dma_chunk\" or \"host\"",
+        "How a store reaches a mapped RAM root's slot; \"auto\": \"dma_chunk\".", "auto",
+        choice(MAPPED_STORE_COPIES, "how a store reaches a mapped RAM root's slot; \"auto\" = \"dma_chunk\"")),
+    Key("store_copies_in_flight", "tuning", "an integer in [1, 4096]",
+        "With \"dma_chunk\": chunks whose copies may be queued at once.", 1, integer(1, 4096)),
+    Key("store_decode", "tuning", "true or false",
+        "Also store chunks completed by generated tokens.", False, flag),
+    Key("hit_policy", "policy", "\"auto\", \"always\", \"never\", a registered name or \"package.module:attr\"",
+        "How much of a hit to load; \"auto\": what the measured read and prefill rates say is faster than "
+        "recomputing.", "auto", policy("tutti.engine.sched.hit_policy.get_policy")),
+    Key("eviction_policy", "policy", "\"lru\", \"fifo\", a registered name or \"package.module:attr\"",
+        "Which resident chunk a full store gives up first.", "lru",
+        policy("tutti.engine.sched.eviction.get_eviction")),
+    Key("store_admission", "policy", "\"all\", \"seen_twice\", \"drive_share\", a registered name or "
+        "\"package.module:attr\"", "Which computed chunks the store takes at all.", "all",
+        policy("tutti.engine.sched.admission.get_admission")),
+    Key("verify_checksums", "sharing", "true or false",
+        "Check every loaded chunk against its journaled checksums; off trusts this writer's own chunks only "
+        "(another writer's are always checked).", True, flag),
+    Key("secret_file", "sharing", _SECRET,
+        "Keyed integrity: a file holding the secret every sharing server knows (never stored in the config).",
+        "/etc/tutti/secret", text(_SECRET, empty=False)),
+    Key("secret_env", "sharing", _SECRET,
+        "Keyed integrity: the environment variable holding the secret.", "TUTTI_SECRET",
+        text(_SECRET, empty=False)),
+    Key("share_group", "sharing", "a group name or number this process belongs to",
+        "Share the store with servers of other users in this group (needs a secret).", "kvshare", group),
+    Key("writer_id", "sharing", "\"auto\", '' or 1-64 of A-Z a-z 0-9 . _ - (`{host}` expands)",
+        "This server's identity among the servers sharing the root; \"auto\": found at start-up.", "{host}-gpu0",
+        lambda n, v: resolve_writer_id(v)),
+    Key("follow_interval_s", "sharing", "seconds in [0.01, 60]",
+        "How often the other writers' journals are followed.", 0.25, seconds(0.01, 60, "0.25")),
+    Key("kv_events_endpoint", "sharing", "'' or a ZMQ endpoint ('tcp://*:5557', 'ipc://PATH')",
+        "Publish tutti's KV events (BlockStored/BlockRemoved, medium STORAGE) here in vLLM's wire format.",
+        "tcp://*:5557", lambda n, v: check_zmq_endpoint(v)),
+    Key("kv_events_topic", "sharing", "a string ({host}, {model}, {writer} expand)",
+        "The ZMQ topic of those events; llm-d expects \"kv@<pod>@<model>\".", "kv@{host}@{model}",
+        text("a string such as \"kv@{host}@{model}\"")),
+    Key("whole_loads", "diagnostics", "\"chunk\" or \"layer\"",
+        "How a whole load reads through the file path: one read per chunk, or per layer (kept to compare).",
+        "chunk", choice(WHOLE_LOADS, "how a whole load reads through the file path; \"chunk\" = one read per "
+                        "chunk")),
+    Key("gil_switch_interval_s", "diagnostics", "\"off\" or seconds in (0, 0.1]",
+        "Lower the interpreter's GIL switch interval in the worker's process (never raised).", "off",
+        gil_interval),
+)}
+#: `roots` is `root` for several directories (one per drive); the config takes either.
+ROOT_KEYS = ("root", "roots")
+STAGING_KEYS = ("staging_bytes", "staging_slots", "max_inflight_stores")
+
+
+def refuse_unknown(raw: Mapping[str, Any]) -> None:
+    """A ConfigError naming every unknown key, with the nearest known one where it is a typo."""
+    known = set(KEYS) | {"roots"}
+    unknown = sorted(set(raw) - known)
+    if not unknown:
+        return
+    hints = []
+    for k in unknown:
+        near = difflib.get_close_matches(str(k), sorted(known), n=1, cutoff=0.75)
+        if near:
+            hints.append(f"{k!r}: did you mean {near[0]!r}?")
+    raise ConfigError(f"unknown key(s) {unknown}; " + (" ".join(hints) + " " if hints else "")
+                      + f"allowed keys are {sorted(known)}")
+
+
+def parse_roots(raw: dict, rank: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(roots resolved for `rank`, roots as given) from `root` or `roots`, popped from `raw`."""
+    from tutti.engine.config.values import resolve_root
+
+    if "root" in raw and "roots" in raw:
+        raise ConfigError("give either 'root' or 'roots', not both")
+    roots_v = raw.pop("roots", raw.pop("root", None))
+    if roots_v is None:
+        raise ConfigError("root: missing; give a directory (or 'roots': a list, one per drive), e.g. "
+                          "{\"root\": \"/mnt/nvme/tutti\"}")
+    if isinstance(roots_v, str):
+        roots_v = [roots_v]
+    if not isinstance(roots_v, (list, tuple)) or not roots_v or not all(isinstance(r, str) and r for r in roots_v):
+        raise ConfigError(f"roots={roots_v!r}: expected a non-empty list of directory paths")
+    bad = [r for r in roots_v if "\0" in r]
+    if bad:
+        raise ConfigError(f"roots={bad!r}: a path has no NUL byte; give the directory's path")
+    roots = tuple(resolve_root(r, rank) for r in roots_v)
+    real = [os.path.realpath(r) for r in roots]
+    if len(set(real)) != len(real):
+        raise ConfigError(f"roots={list(roots_v)!r}: a directory is listed twice "
+                          f"({sorted({r for r in real if real.count(r) > 1})}); stripes need one directory each "
+                          "(one per drive), or give a single 'root'")
+    return roots, tuple(roots_v)
+
+
+def staging_values(raw: dict) -> dict[str, Any]:
+    """The staging trio's starting values: all "auto" when none (or only staging_bytes "auto") is
+    given; 512 MiB, 64 slots and 48 for stores when any is, so the others fit what was given."""
+    given = set(STAGING_KEYS) & set(raw)
+    if raw.get("staging_bytes") == "auto" and given == {"staging_bytes"}:
+        raw.pop("staging_bytes")
+        given = set()
+    if not given:
+        return dict.fromkeys(STAGING_KEYS, "auto")
+    return {"staging_bytes": 512 << 20, "staging_slots": 64, "max_inflight_stores": 48}
+
+
+def check_combinations(kw: Mapping[str, Any]) -> None:
+    """What no single key's parser can see."""
+    if kw.get("share_group") and not (kw.get("secret_file") or kw.get("secret_env")):
+        raise ConfigError(
+            f"share_group={kw['share_group']!r}: sharing a store with other users needs a secret (secret_file or "
+            "secret_env) known to every sharing server, so that no group member can forge KV for another; add one, "
+            "or drop share_group")
+    if kw.get("verify_checksums") is False and kw.get("writer_id") not in (None, "", "auto"):
+        raise ConfigError(
+            f"verify_checksums=False: refused with writer_id={kw['writer_id']!r}: another writer may evict and "
+            "rewrite a slot between a reader's journal check and its reads, and only the checksum tells the other "
+            "prompt's KV apart; keep verify_checksums on where several servers share a root")
+
+
+# ---- the reference -----------------------------------------------------------------------------
+def _default(name: str) -> str:
+    from tutti.engine.config.settings import EngineConfig
+
+    key = KEYS[name]
+    if key.required:
+        return "required"
+    f = {f.name: f for f in fields(EngineConfig)}[name]
+    v = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    return f"`{json.dumps(v)}`"
+
+
+def render_reference() -> str:
+    """docs/configuration.md: every key, grouped, from the table above."""
+    out = ["# Configuration reference", "",
+           "Every key tutti takes in the `kv_connector_extra_config` of vLLM's `--kv-transfer-config` (with "
+           "`vllm serve`, `tutti serve` or `LLM(kv_transfer_config=...)`). "
+           "Rendered from `tutti/engine/config/spec.py` by `python3 -m tutti.engine.config.spec > "
+           "docs/configuration.md`; a test fails when the two differ. A bad value stops the server before the "
+           "model loads, with a message naming the key, the value and what is expected.", "",
+           "The two keys everyone sets:", "",
+           "```json", json.dumps({"root": "/mnt/nvme/tutti", "capacity_bytes": "512GiB"}), "```", ""]
+    for g, title in GROUPS.items():
+        out += [f"## {title}", "", "| key | takes | default | example | what it does |", "|---|---|---|---|---|"]
+        for k in KEYS.values():
+            if k.group == g:
+                out.append(f"| `{k.name}` | {k.takes} | {_default(k.name)} | `{json.dumps(k.example)}` | {k.doc} |")
+                if k.name == "root":
+                    out.append("| `roots` | a list of directory paths | - | `[\"/mnt/nvme0/tutti\", "
+                               "\"/mnt/nvme1/tutti\"]` | `root` striped over several directories, one per drive. |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(render_reference(), end="")
