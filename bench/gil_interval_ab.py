@@ -30,8 +30,8 @@ to compute sleeps until an asynchronous load lands instead of returning to the s
 with both as shipped. The CPU engine schedules synchronously, so its
 hits load in the step and no step waits unless `--extra '{"async_loads": true}'` makes them
 asynchronous, as they are on a GPU in default mode; then 2 ms made 2k hits 2-4x faster on both
-paths (`docs/results/idle_wait_cpu_async.json`), and on the H200 it took the 32k RAM hit from
-0.160-0.185 s to 0.118-0.126 s (`docs/results/gil_ab_h200_idle_grid.json`), when the loading
+paths (`results/idle_wait_cpu_async.json`), and on the H200 it took the 32k RAM hit from
+0.160-0.185 s to 0.118-0.126 s (`results/gil_ab_h200_idle_grid.json`), when the loading
 thread loaded every hit. Since vLLM's own thread launches a mapped root's loads (`async_launch`),
 the wait was as fast or slower there (single_request.md, sessions 13-14): `auto`, the default,
 is 2 ms where the loading thread loads and 0 where the step's thread launches.

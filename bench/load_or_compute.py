@@ -15,7 +15,7 @@ cache. Two processes per geometry, one engine each:
             never    recomputed (the baseline of the same process)
           and 16 greedy tokens of each against the recompute's and against vLLM's own prefix
           cache holding the same prefix (the hit's compute shape: greedy tokens of seeded
-          weights can flip with the shape, docs/results/kv_proof.md; bytes are proven there)
+          weights can flip with the shape, results/kv_proof.md; bytes are proven there)
 
     python3 bench/load_or_compute.py --out $OUT [--geometry 8b|70b] [--lengths 8192,32768]
     python3 bench/load_or_compute.py --out /tmp/loc --tiny        # the CPU smoke run
@@ -160,7 +160,7 @@ def run_phase(phase: str, a) -> dict:
                               "layerwise_extra_ms": round(1e3 * planner.meter.layerwise_extra_s, 1)}
         # the reference in each hit's shape: vLLM's own prefix cache holding the same prefix (its
         # KV from a prefill of the prefix alone) and the rest computed, as a loaded hit computes it;
-        # greedy tokens of seeded weights can flip with the compute shape (docs/results/kv_proof.md).
+        # greedy tokens of seeded weights can flip with the compute shape (results/kv_proof.md).
         # One per shape a policy's tokens were computed in (auto loads part of the hit), and the
         # full hit's shape.
         planner.hit_policy = policies["never"]

@@ -5,7 +5,7 @@ Why: a researcher trying a policy (`hit_policy`: a registered name or "package.m
 wants its decisions before a GPU run: how many tokens it loads in the step (layer-wise, under
 the prompt's own compute), how many asynchronously (the request waits outside the batch), how
 many it recomputes by choice, and what the model says each costs against recomputing. The
-grid uses the H200's measured rates (docs/results/load_or_compute.md run 7: 42.9k
+grid uses the H200's measured rates (results/load_or_compute.md run 7: 42.9k
 token-equivalents/s of prefill, the 8B geometry's 128 KiB a token, attention counted) and
 storages from RAM to a network file system. The model is the one `auto` minimises, so `auto`
 is never worse than either end there by construction; the figures that count are the GPU's.

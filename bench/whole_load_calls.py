@@ -13,7 +13,7 @@ is the count CUDA would see, bar the copies and events the CPU does not make). C
 verified as when serving. Same process, same files, same ring; the only switch is whether
 `load_file_chunks` is asked.
 
-    TRITON_INTERPRET=1 python3 bench/whole_load_calls.py --out docs/results/whole_load_calls_cpu.json
+    TRITON_INTERPRET=1 python3 bench/whole_load_calls.py --out results/whole_load_calls_cpu.json
 """
 
 from __future__ import annotations
