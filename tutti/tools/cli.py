@@ -9,6 +9,10 @@ a file the tool could not read (a symbolic link, a FIFO, no permission, too many
 namespace, manifest, journal and slab relative to its directory's descriptor, with O_NOFOLLOW
 (a link is refused, never followed out of the root), O_NONBLOCK (a FIFO never blocks) and an
 fstat (anything but a regular file is refused, naming it).
+
+Output into a pipe that closes early (`tutti inspect --json ROOT | head`) ends the command quietly
+with status 141 (128 + SIGPIPE, what a shell reports for a command killed by SIGPIPE), as other
+command-line tools do: no "Broken pipe" message.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +30,9 @@ from tutti.tools.storetools import (  # the store commands live there
     EXIT_FAILED, EXIT_OK, EXIT_USAGE, CliError, ToolError, _errname, _inspect_text, _size, inspect_data,
     verify_store,
 )
+
+#: Exit status after the reader of stdout went away (128 + SIGPIPE, as a shell reports it).
+EXIT_BROKEN_PIPE = 128 + int(signal.SIGPIPE)
 
 # ---- bench -------------------------------------------------------------------------------------
 BENCH_FILES = {"kernels": "test_kernels_bench.py", "io": "test_io_bench.py", "tier": "test_tier_bench.py",
@@ -102,7 +110,10 @@ def serve_command(model: str, vllm_args: Sequence[str]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tutti import __version__
+
     ap = argparse.ArgumentParser(prog="tutti", description="tutti: a layer-wise KV cache on NVMe for vLLM.")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
     d = sub.add_parser("demo", help="serve a tiny model with real vLLM twice over a fresh store; compare TTFT",
@@ -208,16 +219,36 @@ def parse_cli(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
     return args
 
 
+def _stdout_closed() -> int:
+    """The reader of stdout went away: say nothing, and keep the interpreter's final flush of
+    stdout from raising again at exit (it would print "Exception ignored ... BrokenPipeError")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is not a file descriptor (tests capture it)
+        pass
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status 0 success, 1 a check failed, 2 any other error (one line on stderr)."""
+    """Exit status 0 success, 1 a check failed, 2 any other error (one line on stderr), 141 the
+    reader of stdout went away (`tutti inspect --json ROOT | head`)."""
     ap = build_parser()
-    args = parse_cli(ap, sys.argv[1:] if argv is None else list(argv))  # usage errors: argparse exits 2
+    try:
+        args = parse_cli(ap, sys.argv[1:] if argv is None else list(argv))  # usage errors: argparse exits 2
+    except BrokenPipeError:  # --help or --version into a closed pipe
+        return _stdout_closed()
     if args.command is None:
         ap.print_help(sys.stderr)
         return EXIT_USAGE
     cmd = f"tutti {args.command}"
     try:
-        return _run(args)
+        status = _run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+        return status
+    except BrokenPipeError:  # before OSError: a closed pipe is the reader's choice, not an error
+        return _stdout_closed()
     except CliError as exc:
         print(f"tutti: error: {_one_line(exc)}", file=sys.stderr)
     except (ToolError, ValueError) as exc:  # bad arguments or files, named by the code that checked them
