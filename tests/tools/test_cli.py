@@ -249,7 +249,7 @@ def test_demo_end_to_end(tmp_path):
     p = subprocess.run([sys.executable, "-m", "tutti", "demo", "--root", str(root), "--num-prompts", "2",
                         "--prompt-tokens", "544"], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr[-4000:]
-    assert "identical tokens (run 2 from tutti vs run 1 computed): PASS" in p.stdout
+    assert "identical tokens (second run from tutti vs first run computed): PASS" in p.stdout
     hit = int(re.search(r"hit tokens: (\d+) of (\d+)", p.stdout).group(1))
     assert hit == 2 * 512  # 4 whole chunks of 128 tokens per prompt; the 32-token tail is computed
     assert re.search(r"planner: hit_tokens=1024 loads_failed=0", p.stdout)

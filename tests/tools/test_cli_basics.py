@@ -62,3 +62,15 @@ def test_inspect_into_a_pipe_that_reads_everything_is_unchanged(tmp_path):
     p = subprocess.run([sys.executable, "-m", "tutti", "inspect", "--json", str(root)], capture_output=True, text=True,
                        env=ENV, cwd=REPO, timeout=120)
     assert p.returncode == 0 and p.stdout.lstrip().startswith("[") and p.stderr == ""
+
+
+def test_the_tiny_models_files_share_one_mode_world_readable_under_umask_022(tmp_path):
+    from tutti.tools.demo import make_tiny_model
+
+    old = os.umask(0o022)
+    try:
+        d = make_tiny_model(tmp_path / "model")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in d.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes

@@ -119,7 +119,17 @@ def make_tiny_model(
     if weights:
         _write_weights(d / "model.safetensors", num_layers=num_layers, hidden=hidden, num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, vocab=vocab, intermediate=intermediate)
+        # safetensors writes its file 0600 whatever the umask; give it the mode of its neighbours
+        # (0644 under the usual umask 022), so another user or a container can load the model
+        os.chmod(d / "model.safetensors", 0o666 & ~_umask())
     return d
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: put it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_weights(path: Path, *, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -371,7 +381,7 @@ def run_demo(*, root: str | None = None, keep: bool = False, prompt_tokens: int 
         second = run_child(job)
         say(f"      done in {time.perf_counter() - t:.1f} s (engine start {second['startup_s']:.1f} s)")
         say()
-        say(f"{'prompt':>6} {'tokens':>6} {'hit run 1':>9} {'hit run 2':>9} {'TTFT compute':>13} {'TTFT tutti':>11} {'speedup':>7}")
+        say(f"{'prompt':>6} {'tokens':>6} {'hit 1st':>9} {'hit 2nd':>9} {'TTFT compute':>13} {'TTFT tutti':>11} {'speedup':>7}")
         for i, (a, b) in enumerate(zip(first["rows"], second["rows"])):
             say(f"{i:>6} {a['tokens']:>6} {a['cached']:>9} {b['cached']:>9} {_ms(a['ttft_s']):>13} "
                 f"{_ms(b['ttft_s']):>11} {a['ttft_s'] / max(b['ttft_s'], 1e-9):>6.2f}x")
@@ -382,14 +392,14 @@ def run_demo(*, root: str | None = None, keep: bool = False, prompt_tokens: int 
         say(f"{'median':>6} {'':>6} {'':>9} {'':>9} {_ms(ta):>13} {_ms(tb):>11} {ta / max(tb, 1e-9):>6.2f}x")
         say()
         s1, s2 = first["stats"], second["stats"]
-        say(f"hit tokens: {hit} of {total} prompt tokens in run 2 (vLLM num_cached_tokens); planner: "
+        say(f"hit tokens: {hit} of {total} prompt tokens in the second run (vLLM num_cached_tokens); planner: "
             f"hit_tokens={s2.get('hit_tokens')} loads_failed={s2.get('loads_failed')} "
             f"bytes_loaded={s2.get('bytes_loaded')} load_seconds={s2.get('load_seconds', 0.0):.3f}")
-        say(f"stores: run 1 committed {s1.get('stores_committed')} chunks ({s1.get('bytes_stored')} B), "
-            f"run 2 committed {s2.get('stores_committed')}")
+        say(f"stores: the first run committed {s1.get('stores_committed')} chunks ({s1.get('bytes_stored')} B), "
+            f"the second {s2.get('stores_committed')}")
         identical = (first["generated"] == second["generated"]
                      and [r["first"] for r in first["rows"]] == [r["first"] for r in second["rows"]])
-        say(f"identical tokens (run 2 from tutti vs run 1 computed): {'PASS' if identical else 'FAIL'}")
+        say(f"identical tokens (second run from tutti vs first run computed): {'PASS' if identical else 'FAIL'}")
         say()
         from tutti.tools.storetools import inspect_lines
 
