@@ -4,6 +4,7 @@ them without outputs."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,22 @@ def test_notebook_runs_top_to_bottom(path, monkeypatch, tmp_path):
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "display_data" and "image/png" in o.get("data", {})]
     assert images, f"{path.name} drew no plot"
+    # what a reader sees: no raw terminal colour codes, no stray value echoed by a cell's last line
+    texts = [(i, o.get("text", "") if o.output_type == "stream" else str(o.get("data", {}).get("text/plain", "")))
+             for i, c in enumerate(nb.cells) if c.cell_type == "code" for o in c.outputs]
+    coloured = [i for i, t in texts if "\x1b[" in t]
+    assert not coloured, f"{path.name}: cells {coloured} print terminal colour codes"
+    stray = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+             for o in c.outputs if o.output_type == "execute_result"]
+    assert not stray, f"{path.name}: cells {stray} echo a value (end them with a print or a ';')"
+    if path.stem.startswith("02"):
+        from tutti.io.queue import open_queue
+
+        usable = re.search(r"usable here: (\[.*?\])", "".join(t for _, t in texts))
+        assert usable, "notebook 02 no longer says which backends are usable here"
+        try:
+            open_queue("nvme").close()
+            nvme_here = True
+        except Exception:
+            nvme_here = False
+        assert ("'nvme'" in usable.group(1)) == nvme_here, usable.group(0)

@@ -35,6 +35,7 @@ ENV_DEFAULTS = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_COLOR": "0",  # plain log lines: a notebook's output shows no raw terminal colour codes
     "TOKENIZERS_PARALLELISM": "false",
 }
 
