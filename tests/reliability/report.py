@@ -246,7 +246,7 @@ LIMITS = [
     "  server would build over the root is empty), not with a multi-worker engine: this CPU box",
     "  runs one worker.",
     "- A checkpoint replaced in place is recognised by its files' sizes and sampled pages",
-    "  (tutti.vllm.compat.model_identity), not by hashing every byte; a hub model id is",
+    "  (tutti.vllm.identity.model_identity), not by hashing every byte; a hub model id is",
     "  recognised by its cached snapshot's commit.",
     "- Timings in the last column come from a shared 2-core machine and vary with its load.",
 ]

@@ -44,19 +44,18 @@ class RecordingConnector(KVConnectorBase_V1):
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
-        from tutti.vllm import compat
-
-        spec = compat.single_attention_spec(self._kv_cache_config)
-        layout = compat.kv_cache_layout_name(self._kv_cache_config, self._vllm_config)
+        import vllm_layout_api
+        spec = vllm_layout_api.single_attention_spec(self._kv_cache_config)
+        layout = vllm_layout_api.kv_cache_layout_name(self._kv_cache_config, self._vllm_config)
         layers = get_layers_from_vllm_config(self._vllm_config, Attention)
         expected = {}
         for name, kv in kv_caches.items():
-            shape, order = compat.layer_kv_cache_shape_and_order(
+            shape, order = vllm_layout_api.layer_kv_cache_shape_and_order(
                 layers[name].get_attn_backend(), spec, kv.shape[0], layout)
             expected[name] = {"shape": list(shape), "order": list(order)}
         self._log("register_kv_caches", layers={k: _t(v) for k, v in kv_caches.items()},
                   layout=layout, expected=expected,
-                  geometry={k: compat.block_geometry(k, v).__dict__ for k, v in kv_caches.items()},
+                  geometry={k: vllm_layout_api.block_geometry(k, v).__dict__ for k, v in kv_caches.items()},
                   spec={"block_size": spec.block_size, "num_kv_heads": spec.num_kv_heads,
                         "head_size": spec.head_size, "dtype": str(spec.dtype)})
 

@@ -103,11 +103,11 @@ def test_async_loads_auto_follows_vllms_scheduler():
     the GPU: a failed layer-wise load there already has a token sampled from its KV in flight)."""
     from types import SimpleNamespace
 
-    from tutti.vllm import compat
+    from tutti.vllm import translate
 
-    assert compat.schedules_async(SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True)))
-    assert not compat.schedules_async(SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False)))
-    assert not compat.schedules_async(SimpleNamespace())
+    assert translate.schedules_async(SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True)))
+    assert not translate.schedules_async(SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False)))
+    assert not translate.schedules_async(SimpleNamespace())
 
 
 def test_auto_staging_takes_every_store_of_back_to_back_full_steps(tiny_model, tmp_path):

@@ -211,7 +211,7 @@ def test_events_name_the_blocks_of_the_identity_that_stored_the_chunk():
     from vllm.distributed.kv_events import BlockStored
 
     from tutti.engine.sched.planner import Planner
-    from tutti.vllm.compat import request_identity
+    from tutti.vllm.identity import request_identity
     from tutti.vllm.events import KVEventTracker
 
     toks = _prompt(3, 129)

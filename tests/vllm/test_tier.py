@@ -230,7 +230,7 @@ def test_tutti_verify_checks_a_tier_store(tmp_path):
 
 
 def test_a_checkpoint_replaced_at_the_same_path_is_another_namespace(tmp_path):
-    """Hardening round two, item 6: the tier's namespace names the weights (compat.model_identity,
+    """Hardening round two, item 6: the tier's namespace names the weights (identity.model_identity,
     as the connector's does), so after a checkpoint is replaced under the same path its old
     chunks are not hits; context parallelism is refused as the connector refuses it."""
     from vllm.config import VllmConfig, set_current_vllm_config

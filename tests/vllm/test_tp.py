@@ -212,7 +212,7 @@ def test_mla_geometry_from_vllm_config_is_stored_once():
 
     import torch
 
-    from tutti.vllm import compat
+    from tutti.vllm import translate
 
     def cfg(use_mla):
         mc = SimpleNamespace(model="m", dtype=torch.bfloat16, use_mla=use_mla, get_head_size=lambda: 576,
@@ -220,11 +220,11 @@ def test_mla_geometry_from_vllm_config_is_stored_once():
         return SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto", block_size=64),
                                parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
 
-    mla = compat.geometry(cfg(True), 256)
+    mla = translate.geometry(cfg(True), 256)
     assert mla.kv_replicated and (mla.num_heads, mla.content_bytes) == (1, 576 * 2)
     ranks = [mla.for_rank(tp) for tp in range(2)]
     assert [g.writes for g in ranks] == [True, False] and mla.num_writers == 1
     assert ranks[0].fingerprint() == ranks[1].fingerprint() and ranks[1].fingerprint().tp_rank == 0
-    mha = compat.geometry(cfg(False), 256)
+    mha = translate.geometry(cfg(False), 256)
     assert not mha.kv_replicated and mha.num_writers == 2
     assert mha.for_rank(0).fingerprint() != mha.for_rank(1).fingerprint()

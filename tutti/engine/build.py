@@ -12,7 +12,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from tutti.engine import claims
-from tutti.engine.config.settings import DEFAULT_WRITE_WINDOW, ConfigError, EngineConfig
+from tutti.engine.config import resolve
+from tutti.engine.config.settings import ConfigError, EngineConfig
 from tutti.engine.geometry import Geometry  # noqa: F401 - also imported from here (its old home)
 from tutti.engine.sched.planner import Planner, rebuild_entries
 from tutti.engine.worker.pipeline import WorkerPipeline
@@ -91,11 +92,15 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
 
 
 def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry, *, engine_id: str = "",
-                  announce: bool = False, mac: Any = READ_SECRET) -> Planner:
+                  announce: bool = False, mac: Any = READ_SECRET, asynchronous: bool = False,
+                  budgeted: bool = False, step_tokens: int = 8192, attention_weight: float = 0.0) -> Planner:
     """The scheduler's half: the index rebuilt from every rank's journal. `engine_id`: vLLM's,
     under which this process's worker recorded the writer id it took ("auto"). `announce`:
     chunks are announced (KV events), so this writer records its chunks' extras
-    (`planner.extras`, tutti.store.extras) and follows the other writers' extras."""
+    (`planner.extras`, tutti.store.extras) and follows the other writers' extras. How hits load
+    (what the hit policy prices): `asynchronous` (every hit outside the batch), or `budgeted`
+    (layer-wise up to the step's sync_load_budget_bytes, asynchronously past it); vLLM's step
+    token budget and the model's `attention_weight` (tutti.engine.sched.hit_policy)."""
     from tutti.engine.sched.admission import get_admission
     from tutti.engine.sched.eviction import get_eviction
     from tutti.engine.sched.hit_policy import get_policy
@@ -104,8 +109,8 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
     cfg = EngineConfig.of(raw_config, rank=0)  # parsed once; other ranks: cfg.for_rank
     if cfg.writer_id == claims.AUTO:  # the slot this engine's worker took (tutti.engine.claims)
         took = claims.claimed(engine_id) if engine_id else None
-        if took is None and geom.num_workers == 1:
-            log.info("tutti: no worker of engine %r in this process recorded its writer id; the scheduler "
+        if took is None and geom.num_workers == 1:  # normal where the worker runs in another process
+            log.debug("tutti: no worker of engine %r in this process recorded its writer id; the scheduler "
                      "assumes the namespace's writer slot ('')", engine_id)
         cfg = dataclasses.replace(cfg, writer_id=took or "")
     num_slots = check_geometry(cfg, geom)
@@ -116,7 +121,9 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
                       store_decode=cfg.store_decode, num_writers=geom.num_writers,
                       num_groups=max(geom.group_of_layer or [0]) + 1, state_groups=geom.state_groups,
                       hit_policy=get_policy(cfg.hit_policy), eviction=get_eviction(cfg.eviction_policy),
-                      admission=get_admission(cfg.store_admission))
+                      admission=get_admission(cfg.store_admission), asynchronous=asynchronous,
+                      step_tokens=step_tokens, attention_weight=attention_weight,
+                      sync_budget=cfg.sync_load_budget_bytes if budgeted else None, can_load_async=budgeted)
     per_rank = []
     for tp, pp, rank in geom.store_ranks:
         rcfg = cfg.for_rank(rank)
@@ -190,7 +197,7 @@ def _foreign_index(cfg: EngineConfig, geom: Geometry, *, announce: bool = False)
                         interval_s=cfg.follow_interval_s, open_extras=open_extras if announce else None)
 
 
-def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file, access, maps):
+def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file=None, access, maps, medium=None):
     """The worker's writer store, and cfg with the writer id it took: the configured one, or
     for "auto" the first free slot of tutti.engine.claims (recorded under `engine_id`)."""
     from tutti.store.chunk_store import ChunkStore, StoreLockedError, WriterDirectoryTakenError
@@ -198,7 +205,7 @@ def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file
     def open_as(writer_id: str):
         return ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
                           slots_per_slab=cfg.slots_per_slab, open_file=open_file, access=access,
-                          max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=writer_id)
+                          max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=writer_id, medium=medium)
 
     if cfg.writer_id != claims.AUTO:
         return open_as(cfg.writer_id), cfg
@@ -252,30 +259,24 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
             f"KV cache layout: found H={layout.num_heads}, C={layout.content_bytes} B per (head, token) in the "
             f"KV cache tensors registered, but the model config says H={geom.num_heads}, C={geom.content_bytes}"
         )
-    variant = cfg.kernel_variant
-    if variant == "auto":
-        variant = "triton" if caches[0].is_cuda else "torch"
-    kernel = get_variant(variant)
-    backend = cfg.io_backend
+    decided = resolve.Decisions()
+    kernel = get_variant(decided.take("kernel_variant", resolve.kernel_variant(cfg.kernel_variant,
+                                                                              cuda=caches[0].is_cuda)))
     on_ram = all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots)
-    if backend == "auto" and on_ram:
-        # On RAM file systems io_uring punts every request to its io-wq workers and copies
-        # through the page cache: the thread pool measured 3.3x faster on the H200 machine
-        # (/dev/shm, 1 MiB reads: 11.6 against 3.5 GB/s), so it is the default there.
-        backend = "threads"
-    q = open_queue(backend, **cfg.io_options)
-    if cfg.write_window_bytes == "auto":  # a drive's queue is shared by reads and writes; memory's is not
-        cfg = dataclasses.replace(cfg, write_window_bytes=None if on_ram else DEFAULT_WRITE_WINDOW)
+    q = open_queue(decided.take("io_backend", resolve.io_backend(cfg.io_backend, on_ram=on_ram)), **cfg.io_options)
+    cfg = dataclasses.replace(cfg, write_window_bytes=decided.take(
+        "write_window_bytes", resolve.write_window_bytes(cfg.write_window_bytes, on_ram=on_ram)))
     access = store_access(cfg)
-    # Never with a secret: a keyed tag checked on the host over the mapping and a DMA that copies
-    # the mapping later read the bytes twice, and an owner's rewrite in between would be served
-    # unverified; the file path checks the staged copy that then goes to the GPU.
-    maps = mac is None and (cfg.mapped_loads is True or (cfg.mapped_loads == "auto" and not access.shared and on_ram))
+    maps = decided.take("mapped_loads", resolve.mapped_loads(cfg.mapped_loads, on_ram=on_ram, shared=access.shared,
+                                                            secret=mac is not None))
     open_file = lambda name, w, dir_fd: q.open_file(name, write=w, create=w, dir_fd=dir_fd)  # noqa: E731
+    from tutti.store.medium import get_medium
+
+    medium = get_medium(cfg.medium, open_file)  # where slab bytes live (tutti.store.medium)
     if cfg.writer_id == claims.AUTO and not geom.writes:  # a reader rank: the writer rank's slot ('')
         cfg = dataclasses.replace(cfg, writer_id="")
     if geom.writes:
-        store, cfg = _claim_store(cfg, geom, engine_id, open_file=open_file, access=access, maps=maps)
+        store, cfg = _claim_store(cfg, geom, engine_id, access=access, maps=maps, medium=medium)
         store_roots = list(cfg.roots)
     else:  # read the writer rank's namespace, under the writer rank's roots
         wcfg = cfg.for_rank(rank - geom.tp_rank + geom.store_tp_rank)
@@ -283,13 +284,13 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
         # readers never map: the writer creates slabs while serving, and mapping one then would
         # register it with CUDA beside the step (a writer maps its own at start-up, map_all)
         store = ReplicaReader(list(wcfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes,
-                              slots_per_slab=cfg.slots_per_slab, open_file=open_file, access=access,
+                              slots_per_slab=cfg.slots_per_slab, medium=medium, access=access,
                               max_open_slabs=cfg.max_open_slabs, map_ram=False, writer_id=cfg.writer_id)
     from tutti.engine.sharing import FOREIGN_CAPACITY, ForeignStores
 
     fingerprint = geom.fingerprint()
     foreign = ForeignStores(lambda writer: ChunkStore(
-        store_roots, fingerprint, capacity_bytes=FOREIGN_CAPACITY, writer=False, open_file=open_file, access=access,
+        store_roots, fingerprint, capacity_bytes=FOREIGN_CAPACITY, writer=False, medium=medium, access=access,
         max_open_slabs=cfg.max_open_slabs, map_ram=False, writer_id=writer))  # the file path: see ReplicaReader
     from tutti.engine.hostcost import shorten_switch_interval
 
@@ -299,7 +300,8 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
                               checksum=segment_checksum, segment_bytes=geom.segment_bytes,
                               chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block,
                               writes=geom.writes, mac=mac, foreign=foreign, group_of_layer=geom.group_of_layer,
-                              async_loads=cfg.async_loads is True if async_loads is None else async_loads)
+                              async_loads=cfg.async_loads is True if async_loads is None else async_loads,
+                              decisions=decided)
     except Exception:
         store.close()
         q.close()
@@ -314,13 +316,13 @@ class ReplicaReader:
     """
 
     def __init__(self, roots: list[str], fingerprint, *, capacity_bytes: int, slots_per_slab: int | None,
-                 open_file, access=None, max_open_slabs: int = 256, map_ram: bool = False,
-                 writer_id: str = "") -> None:
+                 open_file=None, access=None, max_open_slabs: int = 256, map_ram: bool = False,
+                 writer_id: str = "", medium=None) -> None:
         from tutti.io.safefs import PRIVATE
 
         self._args = dict(capacity_bytes=capacity_bytes, writer=False, slots_per_slab=slots_per_slab,
                           open_file=open_file, access=access or PRIVATE, max_open_slabs=max_open_slabs,
-                          map_ram=map_ram, writer_id=writer_id)
+                          map_ram=map_ram, writer_id=writer_id, medium=medium)
         self._roots, self.fingerprint = roots, fingerprint
         self._store = None
         self._open()

@@ -30,7 +30,7 @@ class Geometry:
     # MLA: the latent cache is the same on every TP rank, so it is stored once (by TP rank 0,
     # in TP rank 0's namespace) and every TP rank reads it from there.
     kv_replicated: bool = False
-    model_id: str = ""  # identity of the weights and model config behind `model` (see compat.model_identity)
+    model_id: str = ""  # identity of the weights and model config behind `model` (see identity.model_identity)
     integrity: str = ""  # "" (checksums) or the keyed tag's name: a store with a secret is its own namespace
     # Hybrid models: each layer's KV cache group as "<group>:<kind>" ("full", "sw<window>", "state"), in
     # layer order, joined by ","; "" for one group. A chunk holds every layer's segment either

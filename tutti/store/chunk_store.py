@@ -42,6 +42,7 @@ from tutti.store.namespace import (  # noqa: F401 - the store's names, importabl
     list_writers, log_once, namespace_dir, slab_sort_key,
 )
 from tutti.io.safefs import PRIVATE, Access
+from tutti.store.medium import FileMedium, Medium
 from tutti.store.slabs import DEFAULT_MAX_OPEN_SLABS, Slabs, slab_name
 
 __all__ = [
@@ -110,6 +111,7 @@ class ChunkStore:
         max_open_slabs: int = DEFAULT_MAX_OPEN_SLABS,
         map_ram: bool = False,
         writer_id: str = "",
+        medium: "Medium | None" = None,
     ) -> None:
         # ---- argument checks, before any IO ----
         if not isinstance(access, Access):
@@ -173,7 +175,7 @@ class ChunkStore:
             self.slots_per_slab = self.ns.check_manifests(present, slots_per_slab)
             self.slabs = Slabs(self.ns, writer=self.writer, access=self.access, num_slots=self.num_slots,
                                slot_bytes=self.slot_bytes, slots_per_slab=self.slots_per_slab,
-                               max_open_slabs=max_open_slabs, open_hook=open_file, map_ram=map_ram,
+                               max_open_slabs=max_open_slabs, medium=medium or FileMedium(open_file), map_ram=map_ram,
                                mutex=self._mutex)
             journal_path = os.path.join(self.namespaces[0], JOURNAL)
             # Records are checked against the geometry (a put with another number of checksums is

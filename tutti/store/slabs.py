@@ -17,10 +17,10 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from typing import Callable
 
-from tutti.store.namespace import Namespace, exists, free_bytes, log_once, slab_sort_key
-from tutti.io.safefs import Access, check_fd, open_file
+from tutti.io.safefs import Access
+from tutti.store.medium import Medium, has_hole
+from tutti.store.namespace import Namespace, free_bytes, log_once, slab_sort_key
 
 DEFAULT_MAX_OPEN_SLABS = 256
 _ZERO_BYTES = 1 << 20
@@ -41,8 +41,8 @@ class Slabs:
     Every method but `place` expects the caller to hold `mutex` (the store's)."""
 
     def __init__(self, ns: Namespace, *, writer: bool, access: Access, num_slots: int, slot_bytes: int,
-                 slots_per_slab: int, max_open_slabs: int, open_hook: Callable[[str, bool, int], int] | None,
-                 map_ram: bool, mutex: threading.RLock) -> None:
+                 slots_per_slab: int, max_open_slabs: int, medium: Medium, map_ram: bool,
+                 mutex: threading.RLock) -> None:
         self.ns = ns
         self.writer = writer
         self.access = access
@@ -50,7 +50,7 @@ class Slabs:
         self.slot_bytes = slot_bytes
         self.slots_per_slab = slots_per_slab
         self.max_open_slabs = max_open_slabs
-        self.open_hook = open_hook
+        self.medium = medium  # tutti.store.medium: how a slab is opened, synced and reserved
         self.mutex = mutex
         self.fds: OrderedDict[tuple[int, int], int] = OrderedDict()
         self.pins: dict[tuple[int, int], int] = {}
@@ -114,31 +114,14 @@ class Slabs:
         ns_fd = self.ns.fd(r)
         if ns_fd is None:
             raise OSError(errno.ENOENT, f"slab file {path!r} is missing (namespace not created yet)", path)
-        if self.writer:
-            try:
-                os.close(open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=ns_fd, access=self.access,
-                                   where=f"slab {path!r}"))
-                os.fsync(ns_fd)  # the new name must survive a crash with the data under it
-            except FileExistsError:
-                pass
-        elif not exists(name, ns_fd):
-            raise OSError(errno.ENOENT, f"slab file {path!r} is missing (no chunk was ever stored there)", path)
-        if self.open_hook is not None:
-            fd = self.open_hook(name, self.writer, ns_fd)
-        else:
-            fd = open_file(name, os.O_RDWR if self.writer else os.O_RDONLY, dir_fd=ns_fd, check=False)
-        try:
-            check_fd(fd, f"slab {path!r}", access=self.access)
-        except BaseException:
-            os.close(fd)
-            raise
+        fd = self.medium.open_slab(name, writer=self.writer, dir_fd=ns_fd, path=path, access=self.access)
         self.fds[(r, slab)] = fd
         if self.maps is not None and self.writer and self.maps.get((r, slab)) is None:
             self.map_slab(r, slab)  # mostly the writer thread's first store there: off the load path
         return fd
 
     def zero_fill(self, s: int, fd: int, start: int, end: int) -> None:
-        if os.fstat(fd).st_size >= end and not _has_hole(fd, start, end):
+        if os.fstat(fd).st_size >= end and not has_hole(fd, start, end):
             return
         if self._zeros is None:
             self._zeros = mmap.mmap(-1, _ZERO_BYTES)  # page aligned: also fine for O_DIRECT fds
@@ -180,7 +163,7 @@ class Slabs:
         try:
             fd = self.fd(r, slab)
             if self.writer:
-                reserve(fd, length)
+                self.medium.reserve(fd, length)
             return self.maps.map((r, slab), fd, length)
         except OSError as exc:
             # ENOENT (no chunk stored there yet), ENOSPC (the file system cannot back it),
@@ -236,7 +219,7 @@ class Slabs:
         for k in sorted(keys):
             if k not in self.fds and k not in self.unsynced:
                 continue  # never opened by this writer: nothing of ours to sync there
-            os.fdatasync(self.fd(*k))  # opens a closed one again
+            self.medium.sync(self.fd(*k))  # opens a closed one again
             self.unsynced.discard(k)
 
     def close(self) -> None:
@@ -261,18 +244,6 @@ class Slabs:
         self.fds.clear()
 
 
-def reserve(fd: int, length: int) -> None:
-    """Back [0, length) of a writer's slab with real blocks (pages, on tmpfs) before it is mapped
-    writable. A sparse slab is a promise the file system may break: once /dev/shm or the disk
-    fills (another server, NCCL, torch), the first copy into an unbacked page of the mapping
-    gets SIGBUS, which kills the server, where a write() would have failed one store with
-    ENOSPC. posix_fallocate raises ENOSPC now instead, and leaves the file as it was (tmpfs and
-    ext4 undo a partial allocation), so the slab stays on the file path."""
-    if os.fstat(fd).st_size >= length and not _has_hole(fd, 0, length):
-        return
-    os.posix_fallocate(fd, 0, length)
-
-
 def _allocated_bytes(ns_fd: int) -> int:
     """Bytes the file system has allocated to the slab files in a namespace directory."""
     total = 0
@@ -284,10 +255,3 @@ def _allocated_bytes(ns_fd: int) -> int:
         except OSError:
             pass
     return total
-
-
-def _has_hole(fd: int, start: int, end: int) -> bool:
-    try:
-        return os.lseek(fd, start, os.SEEK_HOLE) < end
-    except OSError:
-        return True  # no SEEK_HOLE support: assume the worst and write the zeros

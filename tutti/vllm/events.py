@@ -30,7 +30,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.logger import init_logger
 
 from tutti.engine.keys import UnkeyableError, chunk_keys
-from tutti.vllm import compat
+from tutti.vllm import compat, identity
 
 logger = init_logger("vllm.tutti.events")
 
@@ -130,7 +130,7 @@ class KVEventTracker:
             # the planner's keys: token ids and the request's identity (salt, LoRA, images...)
             try:
                 keys = chunk_keys(tokens, self.chunk_tokens, self.seed,
-                                  identity=compat.request_identity(request, self.hash_block_size))
+                                  identity=identity.request_identity(request, self.hash_block_size))
             except UnkeyableError:
                 keys = []
             idx = {k: i for i, k in enumerate(keys)}

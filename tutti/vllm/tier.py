@@ -35,7 +35,7 @@ from tutti.store.fingerprint import Fingerprint
 from tutti.format import FORMAT_VERSION, align_up
 from tutti.store.integrity import CRC_TAG, SegmentMac, crc_tag, load_secret
 from tutti.store.chunk_store import ChunkStore
-from tutti.vllm import compat
+from tutti.vllm import compat, identity, translate
 from tutti.vllm.logs import route_tutti_logs
 
 from vllm.logger import init_logger
@@ -62,7 +62,7 @@ def _resolved_dtype(raw: str, given: str | None = None) -> str:
     name = raw.replace("torch.", "").lower()
     if name in ("", "auto"):
         cfg = compat.constructing_vllm_config()
-        name = compat.kv_dtype_name(cfg) if cfg is not None else ""
+        name = translate.kv_dtype_name(cfg) if cfg is not None else ""
     if given is not None:
         g = str(given).replace("torch.", "").lower()
         if name not in ("", "auto") and g != name:
@@ -180,12 +180,12 @@ class TuttiTier(SecondaryTierManager):
             return ()
         out = []
         try:
-            out.append(("model_id", compat.model_identity(vcfg)))
+            out.append(("model_id", identity.model_identity(vcfg)))
         except Exception as exc:  # noqa: BLE001 - an unreadable model folder: say so, keep the name
             logger.warning("tutti tier: the model's weights cannot be identified (%s); chunks are keyed by its name", exc)
         pc = getattr(vcfg, "parallel_config", None)
         if pc is not None:
-            compat.check_context_parallel(pc)
+            translate.check_context_parallel(pc)
         return tuple(out)
 
     def _key(self, key: bytes) -> bytes:

@@ -211,12 +211,12 @@ def test_context_parallelism_is_refused_by_name():
     """Each context-parallel rank holds another shard of the tokens (item 10): refused at start."""
     from types import SimpleNamespace
 
-    from tutti.vllm import compat
+    from tutti.vllm import translate
 
-    compat.check_context_parallel(SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
+    translate.check_context_parallel(SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         with pytest.raises(ValueError, match=f"{name}=2: context parallelism is not supported"):
-            compat.check_context_parallel(SimpleNamespace(**{name: 2}))
+            translate.check_context_parallel(SimpleNamespace(**{name: 2}))
 
 
 def test_round_two_small_config_items(monkeypatch):

@@ -1672,7 +1672,7 @@ def test_a_whole_load_fails_a_truncated_slabs_chunk_by_its_read_error(tmp_path, 
     w.start_step(StepPlan(3, loads=[loads[9]]), layerwise=False)  # journaled free: not planned again
     w.end_step()
     assert w.take_failed_blocks() == {18, 19}
-    assert w.loads._loads == []  # refused at start (not in the store), not read again
+    assert w.loads.loads == []  # refused at start (not in the store), not read again
     w.close()
 
 

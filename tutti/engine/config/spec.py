@@ -136,6 +136,18 @@ def io_backend(name: str, v: Any) -> str:
     return v
 
 
+def medium(name: str, v: Any) -> str:
+    """A medium that resolves (tutti.store.medium), checked before any IO."""
+    from tutti.plugins import resolve_name
+    from tutti.store.medium import _MEDIA
+
+    try:
+        resolve_name(v, name, _MEDIA)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return v
+
+
 def io_options(name: str, v: Any) -> dict:
     if not isinstance(v, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in v):
         raise ConfigError(f"{name}={v!r}: expected a mapping of the backend's keyword options, e.g. {{\"workers\": 8}}")
@@ -166,6 +178,9 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         required=True),
     Key("chunk_tokens", "essential", "an integer in [1, 1048576], a multiple of vLLM's block size",
         "Tokens per stored chunk: the unit of a hit, a store and an eviction.", 256, integer(1, 1 << 20)),
+    Key("medium", "tuning", "\"file\", a registered name or \"package.module:attr\"",
+        "Where slab bytes live: slab files on the root (\"file\"), or another medium (tutti.store.medium); the "
+        "namespace, lock and journal stay on the root.", "file", medium),
     Key("io_backend", "tuning", "\"auto\", \"uring\", \"threads\", \"nvme\", a registered name or "
         "\"package.module:attr\"", "How reads and writes reach the storage; \"auto\": the thread pool on RAM "
         "roots, io_uring elsewhere.", "uring", io_backend),

@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from tutti.engine.config import resolve
+from tutti.engine.config.resolve import Decisions
 from tutti.engine.config.settings import READS_FIRST_BYTES, EngineConfig
 from tutti.engine.worker.context import Counters, JournalView, WorkerContext, log
 from tutti.engine.worker.loads.pipeline import LoadPipeline
@@ -38,7 +40,6 @@ INLINE_GROUP_CHUNKS = 16
 INLINE_GROUP_BYTES = 512 << 20
 
 
-IDLE_WAIT_THREAD_S = 0.002  # idle_load_wait_s "auto" where tutti's loading thread loads (EngineConfig)
 
 
 class WorkerPipeline:
@@ -48,13 +49,14 @@ class WorkerPipeline:
                  kernel, checksum: Callable[[torch.Tensor], torch.Tensor], segment_bytes: int,
                  chunk_tokens: int, kernel_blocks_per_block: int = 1, staging: torch.Tensor | None = None,
                  writes: bool = True, mac=None, foreign=None, group_of_layer: list[int] | None = None,
-                 async_loads: bool | str = False) -> None:
+                 async_loads: bool | str = False, decisions: Decisions | None = None) -> None:
         self.cfg = cfg
+        self.decisions = decisions if decisions is not None else Decisions()  # every "auto" decided (resolve)
         if group_of_layer is not None and len(group_of_layer) != len(caches):
             raise ValueError(f"group_of_layer: {len(group_of_layer)} entries for {len(caches)} layers")
         self.ctx = WorkerContext(cfg, list(caches), layout, store, io_queue, kernel, checksum, segment_bytes,
                                  chunk_tokens, kernel_blocks_per_block, writes, mac, group_of_layer)
-        if cfg.reads_first is not False and isinstance(cfg.write_window_bytes, int):  # a drive: a window is on
+        if self.decisions.take("reads_first", resolve.reads_first(cfg.reads_first, window=cfg.write_window_bytes)):
             self.ctx.reads = ReadsFirst(READS_FIRST_BYTES)  # the stores' writes yield to the loads' reads
         slot_bytes = cfg.staging_slot_bytes  # staging vs segment sizes: checked once, in check_geometry
         if staging is None:
@@ -95,12 +97,9 @@ class WorkerPipeline:
         self.loads = LoadPipeline(self.ctx, ring, self.journal, self.counters, self._forget, foreign)
         self.async_loads = None
         on_step = bool(async_slots) and self._launches_async_on_step(cfg, store)
-        # EngineConfig.idle_load_wait_s, resolved: "auto" waits only where the loading thread loads
-        # (the wait lets it have the GIL); where the step's thread launches, nothing needs it
-        if cfg.idle_load_wait_s == "auto":
-            self.idle_wait_s = 0.0 if on_step else IDLE_WAIT_THREAD_S
-        else:
-            self.idle_wait_s = float(cfg.idle_load_wait_s)
+        self.idle_wait_s = self.decisions.take("idle_load_wait_s",
+                                               resolve.idle_load_wait_s(cfg.idle_load_wait_s, on_step=on_step))
+        self.decisions.take("lookahead", resolve.lookahead(cfg.lookahead, num_layers=self.ctx.num_layers))
         if async_slots:
             from tutti.engine.worker.async_loads import AsyncLoads
 
@@ -147,12 +146,8 @@ class WorkerPipeline:
         if cfg.async_launch == "step" and not can:
             log.warning("tutti: async_launch=\"step\" needs a mapped RAM root, one KV cache group and no secret; "
                         "asynchronous loads run on tutti's loading thread instead (it waits for reads)")
-        if cfg.async_launch == "auto":
-            # on the CPU a "launch" is the whole copy, checksum and scatter, run there and then:
-            # the step's thread would do the load itself (a 32k hit: 1.8 s of the engine's loop
-            # on the CPU machine), so the loading thread keeps it
-            return can and self.ctx.cuda
-        return can and cfg.async_launch == "step"
+        return self.decisions.take("async_launch", resolve.async_launch(cfg.async_launch, can=can,
+                                                                        cuda=self.ctx.cuda)) == "step"
 
     # ================================================================ facts
     @property
@@ -277,7 +272,7 @@ class WorkerPipeline:
             ctx.gather(ctx.caches, blocks, whole.view(1, ctx.num_layers, ctx.seg).transpose(0, 1))
             ctx.checksum(whole.view(ctx.num_layers, ctx.seg))
         if bpc > 1:  # a partial chunk: every block is block 0, so its bytes come back unchanged
-            self.loads._scatter_partial(0, seg, tuple(blocks[0]), 1)
+            self.loads.scatter_partial(0, seg, tuple(blocks[0]), 1)
         # the load path's other kernels, and its verdict buffer for a step loading every block; the
         # asynchronous loads' pipeline too, on their thread's stream (the allocator's pools are per stream)
         max_loads = -(-ctx.layout.num_blocks // (ctx.kbpb * bpc)) + 1
@@ -287,7 +282,7 @@ class WorkerPipeline:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self.async_loads.pipeline.warm_up(max_loads, bpc)
             inline = self.async_loads.inline
-            if inline is not None:  # on its own stream (LoadPipeline._on_stream), from this thread
+            if inline is not None:  # on its own stream (LoadCore.on_stream), from this thread
                 inline.warm_up(max_loads, bpc, detached=True)
         if ctx.cuda:
             torch.cuda.synchronize(ctx.device)

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from tutti.engine.config import resolve
 from tutti.engine.worker.context import U64, Counters, JournalView, Throttled, WorkerContext, log, nvtx_range
 from tutti.engine.hostcost import gil_free_wait
 from tutti.engine.plan import StoreChunk
@@ -77,8 +78,7 @@ class StorePipeline:
         self._said = Throttled()  # a store failure that repeats (a full disk): once a minute per kind
         self._copy_stream = torch.cuda.Stream(ctx.device) if ctx.cuda else None  # the writer thread's DMAs
         # how a chunk reaches a mapped slot (EngineConfig.mapped_store_copy); the CPU has no DMA
-        copy = ctx.cfg.mapped_store_copy
-        self.map_copy = "host" if not ctx.cuda else ("dma_chunk" if copy == "auto" else copy)
+        self.map_copy = resolve.mapped_store_copy(ctx.cfg.mapped_store_copy, cuda=ctx.cuda).value
 
     @property
     def into_maps(self) -> bool:

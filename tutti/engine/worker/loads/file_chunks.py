@@ -35,7 +35,7 @@ from tutti.engine.worker.staging import StagingSlot
 from tutti.io.queue import READ, IOFuture, IORequest, submit_all
 
 if TYPE_CHECKING:
-    from tutti.engine.worker.loads.pipeline import LoadPipeline
+    from tutti.engine.worker.loads.core import LoadCore
 
 
 @dataclass
@@ -78,19 +78,19 @@ class _Group:
     futures: list[IOFuture] = field(default_factory=list)
 
 
-def chunks_per_ring(lp: "LoadPipeline") -> int:
+def chunks_per_ring(lp: "LoadCore") -> int:
     """Whole chunks the load ring holds (0: the per-layer path loads)."""
     return lp.ring.slot_bytes * len(lp.ring) // lp.ctx.chunk_bytes
 
 
-def load_file_chunks(lp: "LoadPipeline", todo: list[int]) -> bool:
-    """Load the step's loads `todo` (indices in `lp._loads`) chunk-major; False, touching
+def load_file_chunks(lp: "LoadCore", todo: list[int]) -> bool:
+    """Load the step's loads `todo` (indices in `lp.loads`) chunk-major; False, touching
     nothing, when the ring holds no whole chunk or reads of an earlier load still hold part of
     it (the per-layer path then takes them). The last group's event is left for wait_layer."""
     if not todo or chunks_per_ring(lp) == 0:
         return False
-    if lp._stragglers:
-        lp._reap_stragglers()
+    if lp.stragglers:
+        lp.reap_stragglers()
     slots = lp.ring.acquire_all()
     if slots is None:
         return False
@@ -110,7 +110,7 @@ def load_file_chunks(lp: "LoadPipeline", todo: list[int]) -> bool:
 class _ChunkReader:
     """The ring's halves and the groups read into them, oldest first."""
 
-    def __init__(self, lp: "LoadPipeline", slots: list[StagingSlot]) -> None:
+    def __init__(self, lp: "LoadCore", slots: list[StagingSlot]) -> None:
         self.lp, self.ctx, self.slots = lp, lp.ctx, slots
         cb = self.ctx.chunk_bytes
         per_ring = chunks_per_ring(lp)
@@ -135,21 +135,21 @@ class _ChunkReader:
         half = self._take_half()
         if half is None:
             for i in idx:
-                lp._fail(lp._loads[i], "no staging room free: earlier reads are stalled")
+                lp.fail(lp.loads[i], "no staging room free: earlier reads are stalled")
             return
         half.wait_host()
         group = _Group(half, idx)
         self.inflight.append(group)  # before anything is pinned: an exception hands it back
         reqs = []
         for r, i in enumerate(idx):
-            ld = lp._loads[i]
-            if ld.key in lp._failed_keys:
+            ld = lp.loads[i]
+            if ld.key in lp.failed_keys:
                 continue
             try:
-                store = lp._source(ld)[0]
+                store = lp.source(ld)[0]
                 fd, off = store.acquire(ld.slot, 0)  # layer 0: the slot's first byte
             except Exception as exc:  # noqa: BLE001 - a slab missing, refused, damaged, no fd left...
-                lp._fail(ld, f"cannot open its slab: {exc}")
+                lp.fail(ld, f"cannot open its slab: {exc}")
                 continue
             group.pinned.append((store, ld.slot, r))
             at = half.offset + r * cb
@@ -189,11 +189,11 @@ class _ChunkReader:
         errors = self._wait(group)
         good = []
         for r, i in enumerate(group.idx):
-            ld = lp._loads[i]
-            if ld.key in lp._failed_keys:
+            ld = lp.loads[i]
+            if ld.key in lp.failed_keys:
                 continue
             if r in errors:
-                lp._fail(ld, f"read of its slot failed: {errors[r]}")
+                lp.fail(ld, f"read of its slot failed: {errors[r]}")
                 if not isinstance(errors[r], TimeoutError):
                     lp.forget(ld)  # a truncated or deleted slab reads short: the chunk is gone
                 continue
@@ -201,11 +201,11 @@ class _ChunkReader:
         cb, n = ctx.chunk_bytes, len(group.idx)
         host = lp.ring.buffer[group.half.offset:group.half.offset + n * cb]
         if ctx.mac is not None:  # keyed tags on the host, before anything reaches the device
-            good = [r for r in good if lp._tags_match(lp._loads[group.idx[r]], lp._sums[group.idx[r]],
+            good = [r for r in good if lp.tags_match(lp.loads[group.idx[r]], lp.sums[group.idx[r]],
                                                       host[r * cb:(r + 1) * cb])]
         if not good:
             return
-        with lp._on_stream():
+        with lp.on_stream():
             data = host
             if ctx.cuda:
                 data = lp.ring.device_buffer[group.half.offset:group.half.offset + n * cb]
@@ -219,7 +219,7 @@ class _ChunkReader:
                 ev.record(lp.stream)
                 group.half.busy = [ev]
                 self.last_event = ev
-        lp._bytes += len(good) * cb
+        lp.step_bytes += len(good) * cb
 
     def _wait(self, group: _Group) -> dict[int, BaseException]:
         """Every read of the group, until io_timeout_s: {row: its error}. Rows whose reads missed
@@ -271,8 +271,8 @@ class _ChunkReader:
             late = [entry for half in stuck for entry in half.late]
             futures = [f for futures, _, _ in late for f in futures]
             pinned = [(store, slot) for _, store, slot in late]
-            lp._stragglers.append((LoadItem(-1, [], [], slot=held[0], futures=futures, pinned=pinned,
+            lp.stragglers.append((LoadItem(-1, [], [], slot=held[0], futures=futures, pinned=pinned,
                                          more_slots=held[1:]), after))
         if self.last_event is not None:
-            lp._whole_ready = self.last_event  # later on the load stream than any mapped copy
-        lp._whole_pending = True
+            lp.whole_ready = self.last_event  # later on the load stream than any mapped copy
+        lp.whole_pending = True

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from tutti.engine.worker.loads.pipeline import LoadPipeline
+    from tutti.engine.worker.loads.core import LoadCore
 
 
-def load_mapped(lp: "LoadPipeline") -> set[int]:
+def load_mapped(lp: "LoadCore") -> set[int]:
     """Every load of the step whose slab is mapped, loaded; returns their indices (the file path
     takes the rest). Their KV is complete only when all of them are: every layer waits on one
-    event (`lp._whole_ready`)."""
+    event (`lp.whole_ready`)."""
     ctx = lp.ctx
     cb = ctx.chunk_bytes
     views: dict[int, torch.Tensor] = {}
@@ -30,9 +30,9 @@ def load_mapped(lp: "LoadPipeline") -> set[int]:
     # the check stays as close to the copy as one per chunk was (the layer-wise path, whose copies
     # run through the forward, keeps one fstat per chunk and layer)
     sizes: dict[object, dict] = {}
-    for i, ld in enumerate(lp._loads):
+    for i, ld in enumerate(lp.loads):
         try:
-            v = lp._source(ld)[0].mapped(ld.slot, 0, cb, sizes.setdefault(ld.source, {}))
+            v = lp.source(ld)[0].mapped(ld.slot, 0, cb, sizes.setdefault(ld.source, {}))
         except Exception:  # noqa: BLE001 - the file path reports what is wrong
             v = None
         if v is not None:
@@ -44,7 +44,7 @@ def load_mapped(lp: "LoadPipeline") -> set[int]:
         return set()  # a chunk is larger than the load ring, or reads of an earlier step still hold it
     order = sorted(views)
     buf = lp.ring.device_buffer if ctx.cuda else lp.ring.buffer
-    with lp._on_stream():
+    with lp.on_stream():
         for g in range(0, len(order), per_group):
             _load_group(lp, buf, order[g:g + per_group], views)
         ev = None
@@ -53,20 +53,20 @@ def load_mapped(lp: "LoadPipeline") -> set[int]:
             ev.record(lp.stream)
     for slot in slots:
         lp.ring.release(slot, ev)
-    lp._whole_ready, lp._whole_pending = ev, True
+    lp.whole_ready, lp.whole_pending = ev, True
     return set(order)
 
 
-def _load_group(lp: "LoadPipeline", buf: torch.Tensor, idx: list[int], views: dict[int, torch.Tensor]) -> None:
+def _load_group(lp: "LoadCore", buf: torch.Tensor, idx: list[int], views: dict[int, torch.Tensor]) -> None:
     """One ring's worth of chunks: copied into the ring, verified, scattered (every layer)."""
     ctx = lp.ctx
     L, seg, cb, n = ctx.num_layers, ctx.seg, ctx.chunk_bytes, len(idx)
     good = []
     for r, i in enumerate(idx):
-        ld = lp._loads[i]
-        if ld.key in lp._failed_keys:
+        ld = lp.loads[i]
+        if ld.key in lp.failed_keys:
             continue
-        if ctx.mac is not None and not lp._tags_match(ld, lp._sums[i], views[i]):
+        if ctx.mac is not None and not lp.tags_match(ld, lp.sums[i], views[i]):
             continue
         good.append(r)
     if not good:
@@ -77,8 +77,8 @@ def _load_group(lp: "LoadPipeline", buf: torch.Tensor, idx: list[int], views: di
     layers = list(range(L))
     lp.verify(chunks, idx, layers, 0)
     lp.scatter(chunks, idx, layers, good, 0)
-    lp._bytes += len(good) * L * seg
-    lp._mapped_bytes += len(good) * L * seg
+    lp.step_bytes += len(good) * L * seg
+    lp.mapped_bytes += len(good) * L * seg
 
 
 def _runs(rows: list[int], views: list[torch.Tensor], cb: int):

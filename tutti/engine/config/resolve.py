@@ -1,0 +1,140 @@
+"""Every "auto" of the configuration, decided here and only here, from what the server runs on.
+
+Each rule takes the configured value and the facts it needs (the roots' file systems, CUDA,
+vLLM's scheduling, the store's sharing, a secret) and returns a `Choice`: the value the engine
+uses and why, in a few words. The worker collects its choices in a `Decisions`, and the start-up
+line prints them, so "auto" is never a mystery in a log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tutti.engine.config.values import DEFAULT_WRITE_WINDOW
+
+#: idle_load_wait_s "auto" where tutti's loading thread loads: 2 ms (see EngineConfig.idle_load_wait_s)
+IDLE_WAIT_THREAD_S = 0.002
+
+
+@dataclass(frozen=True)
+class Choice:
+    value: Any
+    why: str  # "" where the value was configured, not decided
+
+
+@dataclass
+class Decisions:
+    """The choices one half made at start-up, in the order it made them."""
+
+    made: dict[str, Choice] = field(default_factory=dict)
+
+    def take(self, key: str, choice: Choice) -> Any:
+        self.made[key] = choice
+        return choice.value
+
+    def describe(self) -> str:
+        """`key=value (why)` for every decided "auto", for the start-up line."""
+        return " ".join(f"{k}={_short(c.value)} ({c.why})" for k, c in self.made.items() if c.why)
+
+
+def _short(v: Any) -> str:
+    if v is None:
+        return "off"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int) and v >= 1 << 20:
+        return f"{v >> 20}MiB"
+    return str(v)
+
+
+def _given(v: Any) -> Choice:
+    return Choice(v, "")
+
+
+def kernel_variant(value: str, *, cuda: bool) -> Choice:
+    if value != "auto":
+        return _given(value)
+    return Choice("triton", "CUDA") if cuda else Choice("torch", "no CUDA: the torch reference")
+
+
+def io_backend(value: str, *, on_ram: bool) -> Choice:
+    """On RAM file systems io_uring punts every request to its io-wq workers and copies through
+    the page cache: the thread pool reads /dev/shm several times faster there
+    (bench/load_rate.py); elsewhere the queue's own "auto" (tutti.io.queue) decides."""
+    if value == "auto" and on_ram:
+        return Choice("threads", "RAM root")
+    return _given(value)
+
+
+def write_window_bytes(value: Any, *, on_ram: bool) -> Choice:
+    """A drive's queue is shared by reads and writes; memory's is not."""
+    if value != "auto":
+        return _given(value)
+    return Choice(None, "RAM root") if on_ram else Choice(DEFAULT_WRITE_WINDOW, "a drive")
+
+
+def mapped_loads(value: Any, *, on_ram: bool, shared: bool, secret: bool) -> Choice:
+    """Never with a secret: a keyed tag checked on the host over the mapping and a DMA that copies
+    the mapping later read the bytes twice, and an owner's rewrite in between would be served
+    unverified; the file path checks the staged copy that then goes to the GPU. "auto": private
+    RAM roots only (a mapping of a file someone else truncates faults)."""
+    if secret:
+        return Choice(False, "a secret: loads verify the staged copy") if value is not False else _given(False)
+    if value == "auto":
+        if shared:
+            return Choice(False, "a shared root")
+        return Choice(on_ram, "RAM root" if on_ram else "not a RAM root")
+    return _given(value)
+
+
+def reads_first(value: Any, *, window: Any) -> Choice:
+    """Writes yield to hits' reads wherever a write window is on (a drive)."""
+    on = value is not False and isinstance(window, int)
+    if value == "auto":
+        return Choice(on, "a write window" if on else "no write window")
+    return _given(on)
+
+
+def async_loads(value: Any, *, hybrid: bool, schedules_async: bool) -> Choice:
+    """Hybrid models always (vLLM takes their failures per request only); "auto": where vLLM
+    schedules asynchronously, since a layer-wise load failing its checksum there would already
+    have a token sampled from its KV in flight."""
+    if hybrid:
+        return Choice(True, "hybrid model")
+    if value == "auto":
+        return Choice(schedules_async, "vLLM schedules asynchronously" if schedules_async else
+                      "vLLM schedules synchronously")
+    return _given(value is True)
+
+
+def async_launch(value: str, *, can: bool, cuda: bool) -> Choice:
+    """The step's thread launches asynchronous loads where nothing is read (a mapped RAM root, one
+    KV cache group, no secret: `can`), and for "auto" where launching is not doing the work (on
+    the CPU a launch is the whole copy, checksum and scatter: the loading thread keeps it)."""
+    if value == "auto":
+        on = can and cuda
+        return Choice("step" if on else "thread", "a mapped root on CUDA" if on else
+                      "needs a mapped root, one KV cache group, no secret and CUDA")
+    return _given("step" if can and value == "step" else "thread")
+
+
+def idle_load_wait_s(value: Any, *, on_step: bool) -> Choice:
+    """"auto" waits only where tutti's loading thread loads (the wait lets it have the GIL)."""
+    if value == "auto":
+        return Choice(0.0, "the step's thread launches") if on_step else \
+            Choice(IDLE_WAIT_THREAD_S, "the loading thread loads")
+    return _given(float(value))
+
+
+def mapped_store_copy(value: str, *, cuda: bool) -> Choice:
+    """On the CPU every store copies from the host staging; "auto" = "dma_chunk" (a decode step's
+    own copy waits behind one chunk at most)."""
+    if not cuda:
+        return Choice("host", "no CUDA") if value != "host" else _given("host")
+    return Choice("dma_chunk", "CUDA") if value == "auto" else _given(value)
+
+
+def lookahead(value: Any, *, num_layers: int) -> Choice:
+    """"auto": as far as the load staging slots allow (every layer)."""
+    return Choice(num_layers, "the load slots bound it") if value == "auto" else _given(value)
