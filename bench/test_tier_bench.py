@@ -167,6 +167,7 @@ def test_tier_load_throughput(benchmark):
     try:
         res = measure(base, 64, 2 * MiB, 1)
         benchmark.extra_info.update(res)
+        print("\n" + table(res))  # the ratio to vLLM's fs tier: what `tutti bench tier` is for
         spec = offloading_spec(2 * MiB)
         src = np.random.default_rng(1).integers(0, 256, (64, 2 * MiB), dtype=np.uint8)
         region = aligned(src.shape)
