@@ -114,7 +114,7 @@ def workload(a, seed: int) -> list[list[int]]:
 
 def fixed_share(share: float) -> DriveShare:
     """DriveShare whose share never moves: `share:X` in --admissions. A grid of them bounds what any
-    policy choosing a share of whole prefixes can reach on a drive (load_or_compute.md)."""
+    policy choosing a share of whole prefixes can reach on a drive (results/drive_sim.md)."""
     if not 0 < share <= 1:
         raise SystemExit(f"--admissions share:{share}: expected a share in (0, 1]")
     policy = DriveShare(floor=share)

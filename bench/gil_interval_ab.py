@@ -33,7 +33,7 @@ asynchronous, as they are on a GPU in default mode; then 2 ms made 2k hits 2-4x 
 paths (`results/idle_wait_cpu_async.json`), and on the H200 it took the 32k RAM hit from
 0.160-0.185 s to 0.118-0.126 s (`results/gil_ab_h200_idle_grid.json`), when the loading
 thread loaded every hit. Since vLLM's own thread launches a mapped root's loads (`async_launch`),
-the wait was as fast or slower there (single_request.md, sessions 13-14): `auto`, the default,
+the wait was as fast or slower there (results/single_request.md: 7 of 8 pairs): `auto`, the default,
 is 2 ms where the loading thread loads and 0 where the step's thread launches.
 """
 

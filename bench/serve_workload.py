@@ -138,10 +138,10 @@ VARIANTS: dict[str, dict] = {
     "tutti_shm_host": {"mapped_store_copy": "host"},
     # dma_chunk with four chunks' copies queued at once: a prefill burst's stores drain faster
     "tutti_shm_copies4": {"store_copies_in_flight": 4},
-    # asynchronous loads launched by tutti's loading thread (session 11's path; the default
+    # asynchronous loads launched by tutti's loading thread (`async_launch: thread`; the default
     # launches a mapped root's from the step's thread: async_launch)
     "tutti_shm_thread": {"async_launch": "thread"},
-    # the disk's whole loads read layer by layer (tutti before session 13; the default reads a
+    # the disk's whole loads read layer by layer (`whole_loads: layer`; the default reads a
     # chunk's slot at once: tutti.engine.worker.loads.file_chunks)
     "tutti_disk_layer": {"whole_loads": "layer"},
 }

@@ -5,9 +5,10 @@ Why: a researcher trying a policy (`hit_policy`: a registered name or "package.m
 wants its decisions before a GPU run: how many tokens it loads in the step (layer-wise, under
 the prompt's own compute), how many asynchronously (the request waits outside the batch), how
 many it recomputes by choice, and what the model says each costs against recomputing. The
-grid uses the H200's measured rates (results/load_or_compute.md run 7: 42.9k
-token-equivalents/s of prefill, the 8B geometry's 128 KiB a token, attention counted) and
-storages from RAM to a network file system. The model is the one `auto` minimises, so `auto`
+grid uses the H200's measured rates (results/load_or_compute.md, the 8B 32k layer-wise hit in
+load_or_compute/2026-12-03_8b_32k_attention_policy.json: 42.9k token-equivalents/s of prefill,
+the 8B geometry's 128 KiB a token, attention counted) and storages from RAM to a network file
+system. The model is the one `auto` minimises, so `auto`
 is never worse than either end there by construction; the figures that count are the GPU's.
 
 Run:
@@ -29,7 +30,7 @@ from tutti.engine.sched.hit_policy import CostModel, HitQuery, Rates, attention_
 
 B8 = 128 * 1024  # KV bytes a token of the 8B geometry moves (32 layers x 8 heads x 128 x K,V x bf16)
 W8 = attention_weight(hidden=4096, q_heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32, attention_layers=32)
-PREFILL = 42893.0  # token-equivalents/s at zero context (H200, run 7)
+PREFILL = 42893.0  # token-equivalents/s at zero context (H200: load_or_compute/2026-12-03_8b_32k_attention_policy.json)
 STORAGES = {"ram": 50e9, "nvme": 6e9, "virtio_disk": 2.1e9, "network_fs": 0.5e9}
 PROMPTS = (8192, 32768)
 # (name, asynchronous, step budget, other requests in the batch, step seconds)

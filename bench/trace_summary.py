@@ -1,7 +1,7 @@
 """What a window of a loaded server's GPU did: a torch profiler trace, summarised.
 
-Why: under `vllm serve` tutti's decode is slower than the OffloadingConnector's (serve.md: TPOT
-6.3-7.0 against 5.7-6.3 ms over a dozen calls) and nothing on the host side explains it
+Why: under `vllm serve` tutti's decode is slower than the OffloadingConnector's (results/serve.md:
+TPOT 6.3-7.1 against 5.7-6.5 ms over a dozen commands) and nothing on the host side explains it
 (`bench/hook_cost.py`, the GIL samples). A trace of the same window of both servers says whether
 the compute stream waits between its kernels (the host is late: hooks, the GIL) or runs longer
 kernels (the GPU is shared: tutti's kernels and copies beside the forward).
@@ -40,7 +40,8 @@ def batch_summary(gsteps: list[dict]) -> dict:
     """What the steps carried: requests running per step (weighted by each step's time on the
     GPU), prompts prefilled and tokens decoded per ms of steps. Why: two servers whose steps are
     equally long and busy still serve at different rates when one holds fewer requests in its
-    batch (the rest wait outside it, e.g. for asynchronous loads): serve.md, run 16."""
+    batch (the rest wait outside it, e.g. for asynchronous loads): results/serve.md,
+    serve/2026-12-03_profile_pair.json."""
     span = running = 0.0
     prefills = prefill_tokens = decoded = 0
     for st in gsteps:

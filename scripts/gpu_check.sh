@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call: kernel conformance on CUDA, engine tests on CUDA, kernel bench, pipeline
-# overlap (shm and disk), and a tiny vLLM 0.26 store-then-load through the Triton kernels.
+# On a GPU machine with vLLM installed: kernel conformance on CUDA, engine tests on CUDA, kernel
+# bench, pipeline overlap (shm and disk), and a tiny vLLM store-then-load through the Triton kernels.
+# (.gpu/setup.sh and .gpu/env.sh, where the checkout has them, set up that environment first.)
 set -u
-bash .gpu/setup.sh && . .gpu/env.sh || exit 1
+if [ -f .gpu/setup.sh ]; then bash .gpu/setup.sh && . .gpu/env.sh || exit 1; fi
 unset TRITON_INTERPRET
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The last device call: conformance and engine tests on CUDA, pipeline overlap, and the TTFT table
-# (recompute, tutti on /dev/shm and disk, vLLM's OffloadingConnector) in one run.
+# On a GPU machine with vLLM installed: conformance and engine tests on CUDA, pipeline overlap,
+# and the TTFT table (recompute, tutti on /dev/shm and disk, vLLM's OffloadingConnector) in one go.
+# (.gpu/setup.sh and .gpu/env.sh, where the checkout has them, set up that environment first.)
 set -u
-bash .gpu/setup.sh > /dev/null && . .gpu/env.sh || exit 1
+if [ -f .gpu/setup.sh ]; then bash .gpu/setup.sh >/dev/null && . .gpu/env.sh || exit 1; fi
 unset TRITON_INTERPRET
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 python3 -c "

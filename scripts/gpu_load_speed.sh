@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# On the lent H200 (carry .gpu): the worker tests on CUDA (mapped loads registered for DMA
+# On a GPU machine: the worker tests on CUDA (mapped loads registered for DMA
 # included), the kernel launch sweep against copy_, and the pipeline load rate against the
 # machine's ceilings, each written under $OUT as it finishes.
+# (.gpu/setup.sh and .gpu/env.sh, where the checkout has them, set up that environment first.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash .gpu/setup.sh >/dev/null && . .gpu/env.sh && unset TRITON_INTERPRET
+if [ -f .gpu/setup.sh ]; then bash .gpu/setup.sh >/dev/null && . .gpu/env.sh || exit 1; fi
+unset TRITON_INTERPRET
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/worker/test_pipeline.py \

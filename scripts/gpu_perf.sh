@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One device call: pipeline overlap (shm uring/threads, disk) and the vLLM TTFT table.
+# On a GPU machine with vLLM installed: pipeline overlap (shm uring/threads, disk) and the vLLM
+# TTFT table.
+# (.gpu/setup.sh and .gpu/env.sh, where the checkout has them, set up that environment first.)
 set -u
-bash .gpu/setup.sh > /dev/null && . .gpu/env.sh || exit 1
+if [ -f .gpu/setup.sh ]; then bash .gpu/setup.sh >/dev/null && . .gpu/env.sh || exit 1; fi
 unset TRITON_INTERPRET
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 for spec in "shm auto /dev/shm/tutti-ov" "shm_threads threads /dev/shm/tutti-ov" "disk auto /tmp/tutti-ov"; do

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Copies pytest (pure Python) into .gpu_pytest/ so the GPU machine, which has no pytest and no
-# network, can run the CUDA cases of the unit tests:
-#   bash scripts/gpu_pytest_bundle.sh
-#   run(command="bash .gpu/setup.sh >/dev/null && . .gpu/env.sh && unset TRITON_INTERPRET && "
-#               "PYTHONPATH=$PWD/.gpu_pytest:$PYTHONPATH python3 -m pytest -q -x tests/engine/worker/test_pipeline.py -k cuda",
-#       carry=[".gpu", ".gpu_pytest"])
+# Copies pytest (pure Python) into .gpu_pytest/ so a GPU machine without pytest and without a
+# network can run the CUDA cases of the unit tests from a copy of this checkout:
+#   bash scripts/gpu_pytest_bundle.sh        # here; then, on the GPU machine:
+#   unset TRITON_INTERPRET; PYTHONPATH=$PWD/.gpu_pytest:$PYTHONPATH \
+#       python3 -m pytest -q -x tests/engine/worker/test_pipeline.py -k cuda
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sp=$(python3 -c "import os, pytest; print(os.path.dirname(os.path.dirname(pytest.__file__)))")

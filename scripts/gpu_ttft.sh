@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# On the lent H200 (carry .gpu): bench/vllm_ttft.py in vLLM's default mode for one KV geometry
+# On a GPU machine with vLLM installed: bench/vllm_ttft.py in vLLM's default mode for one KV geometry
 # (GEOMETRY=8b|70b), cases recompute, tutti on /dev/shm and on disk, vLLM's OffloadingConnector;
 # then the default kernel launches against copy_ over several interleaved rounds.
+# (.gpu/setup.sh and .gpu/env.sh, where the checkout has them, set up that environment first.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash .gpu/setup.sh >/dev/null && . .gpu/env.sh && unset TRITON_INTERPRET
+if [ -f .gpu/setup.sh ]; then bash .gpu/setup.sh >/dev/null && . .gpu/env.sh || exit 1; fi
+unset TRITON_INTERPRET
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=${GEOMETRY:-8b}
 timeout ${TTFT_TIMEOUT:-480} python3 bench/vllm_ttft.py --out "$OUT/ttft_$G" --geometry "$G" --no-decode \
