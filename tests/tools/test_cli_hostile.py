@@ -406,9 +406,9 @@ def test_verify_does_not_call_keyed_tags_corruption(tmp_path, capsys):
 
 
 def test_inspect_never_allocates_a_sparse_journals_apparent_size(store_root):
-    """Round three, item 9 (deferred from round one): `tutti inspect` read a whole journal into
-    memory, so a 3 GiB sparse journal cost 6.3 GiB of RSS. The tools replay it a block at a
-    time over its holes, as the store does: the same chunks, and the memory of a small file."""
+    """A sparse journal's apparent size is not read into memory (a whole-journal read made a 3 GiB
+    sparse journal cost 6.3 GiB of RSS): the tools replay it a block at a time over its holes,
+    as the store does: the same chunks, and the memory of a small file."""
     journal = ns_dir(store_root) / "journal.bin"
     size = journal.stat().st_size
     os.truncate(journal, 2 << 30)  # 2 GiB, all but the first records a hole (a torn tail)
