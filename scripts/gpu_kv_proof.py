@@ -120,11 +120,11 @@ def rpc_install(self) -> dict:
         if w.async_loads is not None and w.async_loads.inline is not None:  # launched from the step's thread
             pipelines.append(w.async_loads.inline)
         for lp in pipelines:
-            def _fail(self_, ld, why, _orig=lp._fail):
+            def _fail(self_, ld, why, _orig=lp.fail):
                 w._probe["failed"].append((ld.key.hex()[:16], why[:120]))
                 return _orig(ld, why)
 
-            lp._fail = types.MethodType(_fail, lp)
+            lp.fail = types.MethodType(_fail, lp)
     return {"maps": bool(w.loads.maps), "async_loads": w.async_loads is not None, "layers": w.ctx.num_layers, "seg": w.ctx.seg,
             "cuda": w.ctx.cuda, "kernel": w.kernel.name}
 
@@ -302,7 +302,7 @@ def rpc_set(self, what: str, value) -> bool:
             if w.async_loads is not None:  # received at once, nothing read or written
                 w.async_loads._run = lambda *args, **kw: (set(), set())
                 if w.async_loads.inline is not None:  # jobs launched from the step's thread: the same
-                    from tutti.engine.worker.loads.pipeline import Detached
+                    from tutti.engine.worker.loads.detached import Detached
 
                     w.async_loads.inline.launch_detached = lambda loads: Detached(
                         loads=[], sums=[], bad_host=None, landed=None, started=None, pool_buffer=None, nbytes=0,
