@@ -5,10 +5,15 @@ in-process), real files, real io_uring: greedy tokens equal the engine's without
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 
 import harness
+import phases
+from tutti.store.rammap import RAM_FILESYSTEMS, fs_type
 
 from connector_kit import CHUNK, child_run, connector_of, kv_config, prompt, reference, results_of  # noqa: F401 (reference: a fixture)
 
@@ -168,3 +173,46 @@ def test_skipped_stores_are_said_in_vllms_log(tiny_model, tmp_path):
     assert stats["stores_skipped"] > 0
     said = [l for l in out.splitlines() if "stores skipped" in l]
     assert len(said) == 1 and "WARNING" in said[0] and "staging_bytes" in said[0], out[-3000:]
+
+
+def test_a_batch_of_stored_prompts_after_a_restart_loads_every_hit(tiny_model, tmp_path, reference):
+    """Three stored prompts sharing their first 300 tokens, asked again in one `generate` call by a
+    fresh process (a server restarting into a burst of hits). The read rate was unmeasured at the
+    first lookups, and every hit after the first was recomputed (cached 576, 0, 0); now the worker's
+    start-up probe prices them at once, and the previous run's prefill rate (kept beside the
+    journal) is the prior: every prompt hits, with recompute's tokens (the control with the loads
+    left out gives other tokens). On a store read below the prefill rate the same batch is declined,
+    counted by why."""
+    base = prompt(51, 300)
+    ps = [base + prompt(52, 300), base + prompt(53, 420), base + prompt(54, 250)]  # 600, 720, 550 tokens
+    full = [(len(p) - 1) // CHUNK * CHUNK for p in ps]
+    want = reference(ps, enable_prefix_caching=False)
+    if not os.path.isdir("/dev/shm") or fs_type("/dev/shm") not in RAM_FILESYSTEMS:
+        pytest.skip("needs a tmpfs /dev/shm: the fast root of this test")
+    shm = Path(f"/dev/shm/tutti-burst-test-{os.getpid()}")
+    try:
+        kvt = kv_config(shm, hit_policy="auto")  # the users' default: load or compute, on a RAM root
+        first, s1 = child_run(tiny_model, kvt, ps, enable_prefix_caching=False)
+        assert [r["cached"] for r in first] == [0, 0, 0] and s1["stores_failed"] == 0
+        assert list(shm.rglob("rates.json")), "the first run kept its measured rates"
+        res, s2 = child_run(tiny_model, kvt, ps, enable_prefix_caching=False)
+        assert [r["cached"] for r in res] == full, (res, s2)
+        assert [r["tokens"] for r in res] == want
+        assert s2["declined_hit_tokens"] == 0 and s2["declined_unmeasured_tokens"] == 0
+        ctl = phases.run(tiny_model, shm, ps, connector="TuttiConnectorV1", chunk=CHUNK,
+                         engine={"enable_prefix_caching": False}, drop="kv", tokens=8)
+        assert ctl.get("cached") == full, ctl.get("error")
+        assert ctl["tokens"] != want, "the tokens do not depend on the loaded KV"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    # the same batch on a store read at 0.5 MB/s (far below this model's prefill rate)
+    slow = kv_config(tmp_path / "slow", hit_policy="auto", io_backend="throttled_backend:make",
+                     io_options={"read_bytes_per_s": 5e5})
+    child_run(tiny_model, slow, ps, enable_prefix_caching=False)
+    res, s3 = child_run(tiny_model, slow, ps, enable_prefix_caching=False)
+    assert [r["tokens"] for r in res] == want
+    assert all(r["cached"] <= f // 2 for r, f in zip(res, full)), res  # mostly recomputed, by choice
+    assert s3["declined_unmeasured_tokens"] == 0
+    assert s3["declined_hit_tokens"] == sum(full) - sum(r["cached"] for r in res)
+    assert s3["declined_rate_tokens"] + s3["declined_queue_tokens"] + s3["declined_budget_tokens"] == \
+        s3["declined_hit_tokens"] > 0

@@ -134,6 +134,28 @@ def test_prom_metrics_observe_counts_and_sets_per_engine():
         assert f"# HELP {m.exposed_name} " in text or f"# HELP {m.name} " in text, m.name
 
 
+def test_declined_tokens_carry_their_reason_as_a_label():
+    """One counter, vllm:tutti_declined_hit_tokens_by_reason, a `reason` label per cause; the
+    scheduler sends the planner's per-reason deltas beside the total."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from tutti.engine.sched.planner import PlannerStats
+
+    reg, types = _private_metric_types()
+    prom = TuttiPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["m", "0"]})
+    ps = PlannerStats()
+    t = SchedulerStatsTracker(capacity_bytes=1000)
+    t.take(ps, 0)
+    ps.declined_hit_tokens, ps.declined_unmeasured_tokens, ps.declined_queue_tokens = 320, 256, 64
+    prom.observe(t.take(ps, 0).data)
+    text = generate_latest(reg).decode()
+    assert 'vllm:tutti_declined_hit_tokens_by_reason_total{engine="0",model_name="m",reason="unmeasured"} 256.0' in text
+    assert 'vllm:tutti_declined_hit_tokens_by_reason_total{engine="0",model_name="m",reason="queue"} 64.0' in text
+    assert 'vllm:tutti_declined_hit_tokens_total{engine="0",model_name="m"} 320.0' in text
+
+
 # ------------------------------------------------------------------ NVTX
 def test_nvtx_range_is_a_shared_noop_on_cpu(monkeypatch):
     import torch

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from tutti.engine import claims
+from tutti.engine import claims, handoff
 from tutti.engine.config import resolve
 from tutti.engine.config.settings import ConfigError, EngineConfig
 from tutti.engine.geometry import Geometry  # noqa: F401 - also imported from here (its old home)
@@ -141,7 +141,17 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
             store.close()
     own = rebuild_entries(per_rank)
     planner.rebuild(own)
+    probe = handoff.take_probe(engine_id) if geom.num_workers == 1 else None
+    if probe is not None:  # this process's worker probed the store: a measured rate from the first lookup
+        planner.seed_probe(*probe)
     planner.writer_id = cfg.writer_id
+    # rates.json: this writer's measured rates from its last run, as priors (tutti.store.hints)
+    planner.hints_dir = _writer_dir(cfg, geom, cfg.writer_id)
+    planner.hints_access = store_access(cfg).owner_writes() if cfg.writer_id else store_access(cfg)
+    from tutti.store.hints import read_hints
+
+    hints = read_hints(planner.hints_dir, planner.hints_access)
+    planner.meter.seed(hints.get("prefill_tokens_per_s"), hints.get("step_s"))
     planner.extras = _extras_writer(cfg, geom, set(own.values())) if announce else None
     planner.foreign = _foreign_index(cfg, geom, announce=announce)
     return planner

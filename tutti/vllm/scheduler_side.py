@@ -177,6 +177,7 @@ class SchedulerHalf:
 
     def shutdown(self) -> None:
         p = self.planner
+        p.save_hints()  # the rates measured in this run, for the next start's first lookups
         if p.foreign is not None:
             p.foreign.close()  # stops following the other writers (and announcing them)
             p.foreign = None

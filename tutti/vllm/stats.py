@@ -31,6 +31,7 @@ class MetricDef:
     name: str  # Prometheus name as registered (counters get `_total` on /metrics)
     kind: str  # COUNTER (summed across workers and steps) or GAUGE (latest value wins)
     doc: str
+    reason: str = ""  # several fields of one metric: each its `reason` label's value
 
     @property
     def exposed_name(self) -> str:
@@ -67,6 +68,11 @@ METRICS: tuple[MetricDef, ...] = (
               "Of the hit tokens, those loaded asynchronously (the request waited outside the batch)."),
     MetricDef("declined_hit_tokens", "vllm:tutti_declined_hit_tokens", COUNTER,
               "Tokens found in tutti's store and recomputed by the hit policy's choice (recomputing was faster)."),
+    *(MetricDef(f"declined_{why}_tokens", "vllm:tutti_declined_hit_tokens_by_reason", COUNTER,
+                "Declined hit tokens by why: rate (recomputing was faster), queue (loads queued ahead made "
+                "loading slower), unmeasured (no read rate yet), budget (past a step's byte budget), state (a "
+                "hybrid hit must end where a state is stored).", reason=why)
+      for why in ("rate", "queue", "unmeasured", "budget", "state")),
     MetricDef("loads_failed", "vllm:tutti_failed_loads", COUNTER,
               "Chunks whose load failed (IO error or checksum mismatch); vLLM recomputed them."),
     MetricDef("stores_committed", "vllm:tutti_stored_chunks", COUNTER,
@@ -87,7 +93,8 @@ BY_FIELD: dict[str, MetricDef] = {m.field: m for m in METRICS}
 WORKER_FIELDS = ("bytes_loaded", "load_seconds", "bytes_stored", "store_seconds", "stores_skipped",
                  "worker_hook_seconds", "worker_thread_cpu_seconds", "worker_thread_wait_seconds")
 SCHEDULER_FIELDS = ("queried_tokens", "hit_tokens", "async_hit_tokens", "declined_hit_tokens", "loads_failed",
-                    "stores_committed", "evictions")
+                    "stores_committed", "evictions",
+                    *(m.field for m in METRICS if m.field.startswith("declined_") and m.reason))
 
 
 @dataclass
@@ -187,14 +194,17 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._bound: dict[tuple[str, int], Any] = {}
+        made: dict[str, Any] = {}  # one Prometheus metric per name; fields with a reason share it
         for m in METRICS:
-            if m.kind == COUNTER:
-                metric = self._counter_cls(name=m.name, documentation=m.doc, labelnames=labelnames)
-            else:
-                metric = self._gauge_cls(name=m.name, documentation=m.doc, labelnames=labelnames,
-                                         multiprocess_mode="mostrecent")
+            names = list(labelnames) + (["reason"] if m.reason else [])
+            metric = made.get(m.name)
+            if metric is None and m.kind == COUNTER:
+                metric = made[m.name] = self._counter_cls(name=m.name, documentation=m.doc, labelnames=names)
+            elif metric is None:
+                metric = made[m.name] = self._gauge_cls(name=m.name, documentation=m.doc, labelnames=names,
+                                                        multiprocess_mode="mostrecent")
             for idx, values in per_engine_labelvalues.items():
-                self._bound[(m.field, idx)] = metric.labels(*values)
+                self._bound[(m.field, idx)] = metric.labels(*values, *([m.reason] if m.reason else []))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in (transfer_stats_data or {}).items():

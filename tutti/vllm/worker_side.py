@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
-from tutti.engine import claims
+from tutti.engine import claims, handoff
 from tutti.engine.build import build_worker
 from tutti.engine.hostcost import WAITS, HookClock, ThreadCPU, timed, worker_threads
 from tutti.engine.plan import StepPlan, WorkerReport
@@ -62,6 +62,7 @@ class WorkerHalf:
             compat.release_global_connector(owner)  # the engine will not start: do not haunt the next one
             raise
         self.worker.warm_up()
+        handoff.record_probe(s.engine_id, *self.worker.probe)  # the scheduler in this process prices hits with it
         self._log_ready(paged, len(caches))
 
     def _log_ready(self, paged: Any, num_layers: int) -> None:

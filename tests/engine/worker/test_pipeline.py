@@ -1095,8 +1095,9 @@ def test_keyed_tags_bind_the_rank(tmp_path, monkeypatch):
 
 def test_start_up_probes_the_read_rate_of_stored_chunks(tmp_path):
     """A fresh worker over stored chunks reads some of them at start-up (file path) and reports
-    the bytes and seconds, so a planner's hit policy starts with a measured read rate; an empty
-    store and a mapped root read nothing, and nothing in the caches changes."""
+    the bytes and seconds, so a planner's hit policy starts with a measured read rate; a mapped
+    root copies its stored slots from the mapping instead of reading (no read request); an empty
+    store measures nothing, and nothing in the caches changes."""
     from tutti.engine.sched.hit_policy import RateMeter
 
     w = worker(tmp_path / "empty", make_caches(0), mapped_loads=False)
@@ -1118,9 +1119,13 @@ def test_start_up_probes_the_read_rate_of_stored_chunks(tmp_path):
     m.on_loads(rep.probe_bytes, rep.probe_seconds)
     assert m.load_rate == pytest.approx(rep.probe_bytes / rep.probe_seconds)
     w.close()
-    w = worker(tmp_path, make_caches(1), mapped_loads=True)
+    mapped_dst = make_caches(1)
+    before = [c.clone() for c in mapped_dst]
+    w = worker(tmp_path, mapped_dst, mapped_loads=True)
+    w.queue = RecordingQueue(w.queue)
     w.warm_up()
-    assert w.probe == (0, 0.0)
+    assert w.probe[0] == 3 * L * seg and w.probe[1] > 0 and w.queue.reads == 0  # copied, not read
+    assert all(torch.equal(a, b) for a, b in zip(mapped_dst, before))
     w.close()
     w = worker(tmp_path, make_caches(1), mapped_loads=False)
     assert w.probe_read_rate(max_bytes=seg)[0] == 3 * seg  # one layer of the group, then it stops

@@ -97,6 +97,11 @@ class HitPolicy(Protocol):
     def decide(self, q: HitQuery, rates: Rates) -> int: ...
 
 
+#: A policy may say why it cut its last hit in `last_reason`: "rate" (its model: recomputing is
+#: faster at these rates) or UNMEASURED (no read rate yet: one load measures it, the rest wait).
+UNMEASURED = "unmeasured"
+
+
 class Always:
     """Load every hit in full (tutti before load-or-compute)."""
 
@@ -163,10 +168,12 @@ class CostModel:
         self.probe_after_s = probe_after_s
 
     def decide(self, q: HitQuery, rates: Rates) -> int:
+        self.last_reason = "rate"  # why a hit was cut, for the declined counters (UNMEASURED or the rate model)
         if q.hit_tokens <= 0:
             return 0
         rl, rp = rates.load_bytes_per_s, rates.prefill_tokens_per_s
         if not rl or rl <= 0:
+            self.last_reason = UNMEASURED
             return q.hit_tokens if rates.queued_load_bytes == 0 else 0
         if not rp or rp <= 0:
             return q.hit_tokens
@@ -356,6 +363,14 @@ class RateMeter:
         if slope <= 0 or o <= 0:
             return 0.0, rate
         return o, 1.0 / slope
+
+    def seed(self, prefill_tokens_per_s: float | None = None, step_s: float | None = None) -> None:
+        """Priors from an earlier run (tutti.store.hints), weighted as one sample each: the first
+        measured steps outweigh them within a few dozen steps (the decay)."""
+        if prefill_tokens_per_s and self.prefill_seconds == 0:
+            self.prefill_tokens, self.prefill_seconds = float(prefill_tokens_per_s), 1.0
+        if step_s and self.steps == 0:
+            self.step_seconds, self.steps = float(step_s), 1.0
 
     @property
     def prefill_rate(self) -> float | None:

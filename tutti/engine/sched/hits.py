@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from tutti.engine.sched.hit_policy import HitQuery, Rates, chunk_floor, prefill_work
+from tutti.engine.sched.hit_policy import UNMEASURED, HitQuery, Rates, chunk_floor, prefill_work
 from tutti.engine.keys import Identity, UnkeyableError, chunk_keys, state_key
 from tutti.engine.plan import NULL_BLOCK, LoadChunk
 from tutti.engine.sched.requests import RequestState
@@ -73,6 +73,7 @@ class HitPlanning:
         batch = sum(1 for other in self._batch_ids if other != req_id and other in self._reqs)
         take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens, context=num_computed_tokens,
                             batch=batch)
+        chosen, reason = take, getattr(self.hit_policy, "last_reason", "rate")
         if take > 0 and not self.asynchronous and self.can_load_async:
             # the step is at least as long as this prompt's own share of it: with attention counted,
             # the front of a long prompt's suffix takes longer than a step of fresh tokens
@@ -95,15 +96,19 @@ class HitPlanning:
                                      context=num_computed_tokens, batch=batch)
                 if later > fit:
                     r.load_async = True
-                    take = later
+                    take = chosen = later
+                    reason = getattr(self.hit_policy, "last_reason", "rate")
                 else:
                     take = fit
                     self._step_sync_bytes += int(take * per_token)
             else:
                 self._step_sync_bytes += int(take * per_token)
+        budget_cut = chosen - take  # what the step's byte budget cut below the policy's choice
         if self.state_groups and take < found:  # a shorter hit must end on a chunk whose state is stored
             take = 0
         r.declined = found - take  # counted once vLLM allocates (it may look a request up again)
+        r.declined_by = self._declined_by(found, chosen, take, budget_cut, reason, len(tokens) - num_computed_tokens,
+                                          max_load_tokens, num_computed_tokens, batch, r.load_async)
         extra = self._tail(r, len(tokens), usable, num_computed_tokens + take, max_load_tokens)
         if extra:
             r.tail = True
@@ -138,6 +143,37 @@ class HitPlanning:
         r.hit_sources.append(where[0])
         return extra
 
+    def _declined_by(self, found: int, chosen: int, take: int, budget_cut: int, reason: str, prompt: int,
+                     max_load_tokens: int | None, context: int, batch: int, asynchronous: bool) -> dict[str, int]:
+        """Why `found - take` hit tokens were recomputed, in tokens: "unmeasured" (no read rate yet),
+        "queue" (what the policy would have loaded with no loads queued ahead), "rate" (the rest of
+        the policy's cut), "budget" (the step's byte budget), "state" (a hybrid hit must end where a
+        state is stored). The parts add up to the declined tokens."""
+        by: dict[str, int] = {}
+        cut = found - chosen
+        if cut > 0:
+            if reason == UNMEASURED:
+                by[UNMEASURED] = cut
+            else:
+                free = chosen
+                if self._queued_load_bytes():
+                    free = max(chosen, self._choose(found, prompt, max_load_tokens, asynchronous=asynchronous,
+                                                    context=context, batch=batch, queued=0))
+                if free > chosen:
+                    by["queue"] = free - chosen
+                if found - free > 0:
+                    by["rate"] = found - free
+        if budget_cut > 0:
+            by["budget"] = budget_cut
+        state = (found - take) - sum(by.values())
+        if state > 0:
+            by["state"] = state
+        return by
+
+    def _queued_load_bytes(self) -> int:
+        """Bytes of loads planned and not yet done: read before a new hit's."""
+        return self._unsent_load_bytes + sum(self._step_load_bytes.values())
+
     def sync_budget_bytes(self, step_s: float = 0.0) -> float | None:
         """The bytes one step may load layer-wise now (None: no budget, or not measured yet); "auto":
         what the read rate moves while the GPU computes a full step, or `step_s` if longer."""
@@ -164,14 +200,14 @@ class HitPlanning:
                         attention_weight=self.attention_weight)
 
     def _choose(self, found: int, prompt_tokens: int, max_load_tokens: int | None,
-                asynchronous: bool | None = None, context: int = 0, batch: int = 0) -> int:
+                asynchronous: bool | None = None, context: int = 0, batch: int = 0, queued: int | None = None) -> int:
         """The hit policy's choice among the loadable counts of a hit of `found` tokens; `batch`:
-        the other requests running."""
+        the other requests running; `queued`: the load bytes queued ahead (default: as planned)."""
         q = self._query(found, prompt_tokens, max_load_tokens,
                         self.asynchronous if asynchronous is None else asynchronous, context)
         overhead, load_rate = self.meter.load_model()
         rates = Rates(load_rate, self.meter.prefill_rate,
-                      queued_load_bytes=self._unsent_load_bytes + sum(self._step_load_bytes.values()),
+                      queued_load_bytes=self._queued_load_bytes() if queued is None else queued,
                       prefill_backlog_tokens=max(0, self._backlog), load_age_s=self.meter.load_age(),
                       load_overhead_s=overhead, step_s=self.meter.step_time, batch_requests=batch,
                       layerwise_extra_s=self.meter.layerwise_extra_s)
@@ -215,7 +251,9 @@ class HitPlanning:
         r.async_load = async_load
         r.block_ids = self._per_group(block_ids)
         self.stats.declined_hit_tokens += r.declined
-        r.declined = 0
+        for why, n in r.declined_by.items():
+            setattr(self.stats, f"declined_{why}_tokens", getattr(self.stats, f"declined_{why}_tokens") + n)
+        r.declined, r.declined_by = 0, {}
         if num_external_tokens > 0 and r.hit_chunks:
             self.stats.hit_tokens += num_external_tokens
             if async_load:

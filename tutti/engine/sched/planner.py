@@ -102,6 +102,28 @@ class Planner(HitPlanning, StepPlanning):
         self._backlog = 0  # prompt tokens not computed, as of the last step (plus lookups since)
         self._batch_ids: frozenset[str] = frozenset()  # requests of the last step: a prompt computed now
         # lengthens their steps (while they run: a finished one waits for nothing)
+        self.probe_seeded = False  # the worker's start-up probe came in process (seed_probe), not by report
+        self.hints_dir: str | None = None  # where this writer keeps its measured rates (tutti.store.hints)
+        self.hints_access = None  # and how its files are made (tutti.io.safefs.Access)
+
+    def save_hints(self) -> None:
+        """Keep the rates measured in this run for the next start (tutti.store.hints); advisory:
+        a failure is logged, never raised."""
+        if self.hints_dir is None or not self.meter.prefill_rate:
+            return
+        from tutti.store.hints import write_hints
+
+        try:
+            write_hints(self.hints_dir, {"prefill_tokens_per_s": self.meter.prefill_rate,
+                                         "step_s": self.meter.step_time}, self.hints_access)
+        except OSError as exc:
+            log.debug("tutti: the measured rates were not kept for the next start: %s", exc)
+
+    def seed_probe(self, nbytes: int, seconds: float) -> None:
+        """The worker's start-up read probe (bytes, seconds), before the first lookup: taken as a
+        rate under a step (PROBE_UNDER_STEP), and not counted again when its report arrives."""
+        self.meter.on_loads(nbytes, seconds / PROBE_UNDER_STEP)
+        self.probe_seeded = True
 
 
 def rebuild_entries(per_rank: Iterable[Mapping[int, bytes]]) -> dict[int, bytes]:

@@ -33,6 +33,12 @@ class PlannerStats:
     unkeyed_requests: int = 0  # requests whose identity could not be keyed: neither stored nor served
     async_hit_tokens: int = 0  # of hit_tokens, loaded asynchronously (the request waited outside the batch)
     declined_hit_tokens: int = 0  # stored, and recomputed by the hit policy's choice (faster than loading)
+    # of those, why (tutti.engine.sched.hits.HitPlanning._declined_by): the parts add up to the total
+    declined_rate_tokens: int = 0  # the policy's rate model: recomputing was faster
+    declined_queue_tokens: int = 0  # loads queued ahead made loading slower than recomputing
+    declined_unmeasured_tokens: int = 0  # no read rate measured yet: one load measures it, the rest wait
+    declined_budget_tokens: int = 0  # past the step's byte budget (layer-wise loads)
+    declined_state_tokens: int = 0  # a hybrid hit must end on a chunk whose state is stored
 
     def since(self, earlier: "PlannerStats") -> dict[str, float]:
         """Counters accumulated since `earlier` (a copy taken before), without resetting: the
@@ -64,6 +70,7 @@ class RequestState:
     computed: int = 0  # prompt tokens computed or loaded (or to be loaded): the rest is prefill backlog
     in_backlog: int = 0  # its tokens in the planner's prefill backlog (taken out when it is looked up again)
     declined: int = 0  # hit tokens the policy chose to recompute at the last lookup
+    declined_by: dict = field(default_factory=dict)  # why, in tokens (counted with `declined`)
     prompt_len: int = 0  # the prompt's tokens (tokens grows with generated ones under store_decode)
     load_async: bool = False  # the last lookup's hit goes asynchronously (past the step's sync budget)
     holed: bool = False  # a chunk's store failed or was skipped: no hit reaches its later chunks

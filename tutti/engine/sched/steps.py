@@ -254,7 +254,7 @@ class StepPlanning:
             self.meter.on_loads(0, 0.0)  # loads that hid under compute: the rate is not stale
         for step in report.steps_done:  # the step's output is here: it is done (the meter's step times)
             self.meter.on_done(step)
-        if report.probe_bytes and report.workers:  # the start-up probe: per worker, as loads are
+        if report.probe_bytes and report.workers and not self.probe_seeded:  # the start-up probe: per worker
             self.meter.on_loads(report.probe_bytes // report.workers, report.probe_seconds / PROBE_UNDER_STEP)
         for t in report.store_failed:
             tk = self._tickets.pop(t, None)

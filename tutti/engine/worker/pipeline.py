@@ -296,6 +296,36 @@ class WorkerPipeline:
         self.warmup_seconds = time.perf_counter() - t0
         return self.warmup_seconds
 
+    def _probe_mapped(self, max_bytes: int, max_seconds: float) -> tuple[int, float]:
+        """A mapped RAM root's probe: stored slots copied from the mapping to where a load puts
+        them (the device; on the CPU host memory), a whole slot a copy, as its loads copy chunks.
+        Without it a restart into a burst of hits had no rate and loaded one hit to measure it,
+        recomputing the rest."""
+        ctx, store = self.ctx, self.store
+        try:
+            slots = sorted(store.entries())
+        except Exception:  # noqa: BLE001 - a store that cannot list its chunks: nothing to measure
+            return 0, 0.0
+        if not slots:
+            return 0, 0.0
+        nbytes = store.slot_bytes
+        done, t0 = 0, time.perf_counter()
+        try:
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+            for s in slots:
+                src = store.mapped(s, 0, nbytes)
+                if src is None:
+                    continue
+                dst.copy_(src, non_blocking=True)
+                done += nbytes
+                if done >= max_bytes or time.perf_counter() - t0 >= max_seconds:
+                    break
+            if ctx.cuda:
+                torch.cuda.synchronize(ctx.device)  # start-up: waiting here costs no step
+        except Exception:  # noqa: BLE001 - never fails the start
+            pass
+        return done, time.perf_counter() - t0
+
     def probe_read_rate(self, max_bytes: int = 1 << 30, max_seconds: float = 1.0) -> tuple[int, float]:
         """(bytes, seconds): stored segments read the way a file-path load reads them (this
         queue, this staging, a layer of several chunks at a time), at start-up.
@@ -303,15 +333,17 @@ class WorkerPipeline:
         Why: the hit policy chooses from the storage's read rate; a fresh server that had to
         guess would load its first hits whole, and on a slow disk those are slower than
         recomputing. Nothing else uses the load staging yet. A mapped RAM root loads by copying
-        from its mapping, not by reading: no probe there (its first hit measures it). Any error
+        from its mapping, not by reading: its probe copies (`_probe_mapped`). Any error
         ends the probe with what it measured: it never fails the start. Up to 1 GiB or 1 s: on the
         H200's virtual disk 256 MiB (0.11-0.16 s) read 1.64 GB/s in one start and 2.35 in the
         next, the layer-wise loads after both 1.56, and the first layer-wise hit chose from the
         2.35 (1.40x recompute): a longer read varies less (not yet measured there).
         """
         ctx, store, ring = self.ctx, self.store, self.loads.ring
-        if self.loads.maps or max_bytes <= 0:
+        if max_bytes <= 0:
             return 0, 0.0
+        if self.loads.maps:
+            return self._probe_mapped(max_bytes, max_seconds)
         try:
             slots = sorted(store.entries())
         except Exception:  # noqa: BLE001 - a store that cannot list its chunks: nothing to measure
