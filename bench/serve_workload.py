@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -58,6 +59,9 @@ METRICS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:external
            "vllm:tutti_worker_hook_seconds", "vllm:tutti_worker_thread_cpu_seconds", "vllm:tutti_worker_thread_wait_seconds",
            "vllm:tutti_scheduler_hook_seconds",
            "vllm:kv_offload_total_bytes", "vllm:kv_offload_total_time", "vllm:num_preemptions")
+# one counter with a `reason` label: kept apart per reason, as "NAME:REASON"
+BY_REASON = "vllm:tutti_declined_hit_tokens_by_reason"
+REASONS = ("rate", "queue", "unmeasured", "budget", "state")
 
 
 def short_word(i: int) -> str:
@@ -177,12 +181,15 @@ def scrape(port: int) -> dict[str, float]:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """METRICS from Prometheus text, each summed over its label sets (`_total` or not)."""
-    out = dict.fromkeys(METRICS, 0.0)
+    out = dict.fromkeys(METRICS + tuple(f"{BY_REASON}:{r}" for r in REASONS), 0.0)
     for line in text.splitlines():
         if line.startswith("#") or " " not in line:
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         base = name[:-6] if name.endswith("_total") else name
+        if base == BY_REASON:
+            m = re.search(r'reason="([a-z]+)"', line)
+            base = f"{BY_REASON}:{m.group(1)}" if m else base
         if base in out:
             try:
                 out[base] += float(line.rsplit(" ", 1)[1])

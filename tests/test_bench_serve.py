@@ -33,6 +33,18 @@ def test_metrics_are_summed_over_label_sets():
     assert m["vllm:tutti_skipped_stores"] == 3 and m["vllm:external_prefix_cache_hits"] == 0
 
 
+def test_declined_tokens_are_kept_apart_by_reason():
+    text = "\n".join([
+        'vllm:tutti_declined_hit_tokens_by_reason_total{engine="0",model_name="m",reason="rate"} 100.0',
+        'vllm:tutti_declined_hit_tokens_by_reason_total{engine="0",model_name="m",reason="queue"} 28.0',
+        'vllm:tutti_declined_hit_tokens_total{engine="0",model_name="m"} 128.0',
+    ])
+    m = sw.parse_metrics(text)
+    assert m["vllm:tutti_declined_hit_tokens_by_reason:rate"] == 100
+    assert m["vllm:tutti_declined_hit_tokens_by_reason:queue"] == 28
+    assert m["vllm:tutti_declined_hit_tokens_by_reason:unmeasured"] == 0 and m["vllm:tutti_declined_hit_tokens"] == 128
+
+
 def test_variants_get_roots_of_their_own_and_their_keys():
     class A:
         shm_root, disk_root, capacity_bytes, chunk_tokens, tutti_extra = "/dev/shm/t", "/tmp/d", 1 << 30, 256, "{}"
