@@ -381,7 +381,7 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
         res.update({k: r.get(k) for k in ("completed", "request_throughput", "output_throughput", "mean_ttft_ms",
                                           "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
                                           "mean_e2el_ms", "duration")})
-        res["metrics"] = {k: after[k] - before[k] for k in METRICS}
+        res["metrics"] = {k: after[k] - before[k] for k in after}  # METRICS, and the declined tokens by reason
     except Exception as exc:  # noqa: BLE001 - one case's failure is reported, the others still run
         res["error"] = repr(exc)[-2000:]
     return res
