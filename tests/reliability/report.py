@@ -109,7 +109,7 @@ def render(rows: list[dict], *, env: str = "") -> str:
 
 #: The third audit's findings (#48), each with the test that fails without its fix, or the reason it is open.
 ROUND_THREE = [
-    "## Hardening, round three (an attacker sharing the store root, and faults)",
+    "## Audit: an attacker sharing the store root, and faults (a full tmpfs, checks off, the share group)",
     "",
     "| # | Finding | Status | Test (fails without the fix) |",
     "|---|---|---|---|",
@@ -137,7 +137,7 @@ ROUND_THREE = [
     "service, never wrong KV (keyed tags) | tests/store/test_store_sharing.py::test_a_member_cannot_make_a_named_"
     "writer_write_into_her_directory, tests/store/test_store_sharing.py::test_planted_auto_slots_never_stop_an_"
     "auto_server |",
-    "| 4 | Med (regression of round two's 2b): a named writer that created a shared root made it 2750, and every "
+    "| 4 | Med (a regression of item 2b below): a named writer that created a shared root made it 2750, and every "
     "other member's server refused to start | fixed: the root is created with the namespace's (group-writable) "
     "mode | tests/store/test_store_sharing.py::test_a_named_writer_that_creates_the_root_leaves_it_to_the_group |",
     "| 5 | Med: another writer's `extras.jsonl` cost every follower ~11x its size in RAM and stalled the "
@@ -161,7 +161,7 @@ ROUND_THREE = [
     "| 9 | Low: a deeply nested own `manifest.json` refused the start with a bare RecursionError; `tutti "
     "inspect` allocated a sparse journal's apparent size (6.3 GiB RSS for 3 GiB) | fixed: the manifest is refused "
     "naming the file and the fix; the tools replay a journal a block at a time over its holes, as the store does. "
-    "Left, as in round two: inode reuse in a followed journal and a moved writer directory (misses, never wrong "
+    "Left, as in the audit below (9a, 9b, 9c): inode reuse in a followed journal and a moved writer directory (misses, never wrong "
     "KV: every foreign chunk is checked), the follow cost | tests/store/test_store_hostile.py::test_a_deeply_nested_"
     "manifest_is_refused_naming_the_file, tests/tools/test_cli_hostile.py::test_inspect_never_allocates_a_sparse_"
     "journals_apparent_size |",
@@ -176,7 +176,7 @@ ROUND_THREE = [
 
 #: The second audit's findings (#28), each with the test that fails without its fix, or the reason it is open.
 ROUND_TWO = [
-    "## Hardening, round two (findings of the audit of sharing, mapped slabs and the tier)",
+    "## Audit: sharing, mapped slabs and the tier",
     "",
     "| # | Finding | Status | Test (fails without the fix) |",
     "|---|---|---|---|",
@@ -223,7 +223,7 @@ ROUND_TWO = [
     "tests/vllm/test_tier.py::test_a_load_job_for_a_chunk_no_longer_held_fails |",
     "| 10 | context parallelism (DCP/PCP > 1) | refused at start, naming the size (not in the fingerprint: "
     "nothing with them can start) | tests/engine/config/test_settings.py::test_context_parallelism_is_refused_by_name |",
-    "| r1 | left from round one: a NUL byte in a root; the same root for two ranks; `tutti inspect` reading a whole "
+    "| r1 | left from the first audit: a NUL byte in a root; the same root for two ranks; `tutti inspect` reading a whole "
     "journal into memory; a second writer after LOCK is unlinked; journal records piling up on a full disk | fixed: a "
     "NUL in a root and a directory listed twice as stripes refused naming the key. Left, with reasons: the same root "
     "for two ranks is by design (each rank's namespace is its own directory: the rank is in the fingerprint); a "
@@ -233,7 +233,7 @@ ROUND_TWO = [
     "store split (#30) | tests/engine/config/test_settings.py::test_a_nul_in_a_root_and_a_root_listed_twice_are_refused |",
     "| - | a load failing its checksum under vLLM's asynchronous scheduler gave wrong tokens (#25) | fixed: "
     "`async_loads` (auto there) | tests/vllm/test_connector.py::test_corrupt_chunk_is_recomputed_and_counted[async]; "
-    "on the GPU: docs/results/kv_proof.md |",
+    "on the GPU: results/kv_proof.md |",
 ]
 
 #: What the suite does not prove, stated next to what it does.

@@ -83,8 +83,8 @@ def test_soak_thousand_requests_constant_eviction(tiny_model, tmp_path, report):
     assert fds1 - fds0 <= 2, f"file descriptors grew {fds0} -> {fds1}"
     # 900 requests after warm-up: a leak of one tutti object per request shows here, precisely
     assert objs1 - objs0 <= 200, f"tutti's live objects grew {objs0} -> {objs1}"
-    # RSS is the allocator's view, coarse: 28-73 MiB over this run on the 2-core machine (before
-    # session 9's changes too), in steps, not per request (the objects above stay flat meanwhile)
+    # RSS is the allocator's view, coarse: 28-73 MiB over this run on a 2-core machine (before the
+    # idle-step wait too), in steps, not per request (the objects above stay flat meanwhile)
     assert rss1 - rss0 <= 128 << 20, f"RSS grew by {(rss1 - rss0) >> 20} MiB"
     ns = only_namespace(verify_store(root))
     assert ns["bad"] == [] and ns["entries"] <= SLOTS

@@ -333,3 +333,20 @@ def test_planted_auto_slots_never_stop_an_auto_server(scratch):
     finally:
         os.write(release_w, b"1")
         os.waitpid(pid, 0)
+
+
+def open_writer_on(root):
+    with open_store(root, PRIVATE):
+        return "opened"
+
+
+def test_a_root_the_user_cannot_write_is_reported_as_read_only(scratch):
+    """A writer on a root its user may read but not write was told it "lacks read, write and search
+    permission"; it is told the root is read-only for it, and how to fix that."""
+    def make_read_only(root):
+        os.makedirs(root)
+        os.chmod(root, 0o555)
+
+    assert as_user(ALICE, [ALICE], make_read_only, scratch)[0] == "ok"
+    res = as_user(ALICE, [ALICE], open_writer_on, scratch)
+    assert res[0] == "err" and "is read-only for this process" in res[1] and "chmod u+w" in res[1], res

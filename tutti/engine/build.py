@@ -262,7 +262,7 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
     check_geometry(cfg, geom)
     mac = segment_mac(cfg) if mac is READ_SECRET else mac  # the secret is read once per half, before any IO
     geom = with_integrity(geom, mac)
-    if mac is not None:  # tags right for this rank's namespace only (hardening round two, item 1)
+    if mac is not None:  # tags right for this rank's namespace only (tests/engine/worker/test_pipeline.py::test_keyed_tags_bind_the_rank)
         mac = mac.bound(geom.fingerprint().digest())
     if layout.num_heads != geom.num_heads or layout.content_bytes != geom.content_bytes:
         raise ValueError(

@@ -45,7 +45,7 @@ class Access:
     gid: int | None = None
     # False: what this creates is the group's to read, not to write (2750 / 0640): a named
     # writer's own directory in a shared namespace, which no other member may lock, replace or
-    # write (hardening round two, item 2b). True: the namespace's only writer, a role the
+    # write (tests/store/test_store_sharing.py::test_a_member_cannot_lock_replace_or_write_a_named_writers_directory). True: the namespace's only writer, a role the
     # group's members take in turns, so its files stay group-writable (their tags are checked).
     group_write: bool = True
 

@@ -213,7 +213,7 @@ def _launch(
         group = 1 if (E >= _GROUP_WORDS or not interp) else min(16, triton.next_power_of_2(triton.cdiv(_GROUP_WORDS, E)))
     span = group * E
     if block is None:
-        # H200 sweep (bench/kernel_sweep.py, docs/results/kernel_sweep_h200.json): tiles of up to
+        # H200 sweep (bench/kernel_sweep.py; results/kernels.md, kernel_sweep_h200_2026-12-01.json): tiles of up to
         # 4096 words, one program each, 4 warps, reach 0.92-0.93x of a same-bytes copy_ for both
         # directions on FlashAttention, packed K|V and MLA layouts; an MLA item (2304 words)
         # moves best as ONE masked 4096-word tile (small tiles that divide it measured 0.59x).

@@ -140,6 +140,9 @@ class Namespace:
         need = os.R_OK | os.X_OK | (os.W_OK if self.writer else 0)
         if self.writer and read_only_fs(root):
             raise StoreRootError(f"store root {root!r} is on a read-only filesystem; remount it read-write or pass another directory")
+        if self.writer and not os.access(root, os.W_OK) and os.access(root, os.R_OK | os.X_OK):
+            raise StoreRootError(f"store root {root!r} is read-only for this process (uid {os.getuid()}): a server "
+                                 "writes its store there; make it writable (chmod u+w) or pass another directory")
         if not os.access(root, need):
             mode = "read, write and search" if self.writer else "read and search"
             raise StoreRootError(f"store root {root!r}: this process (uid {os.getuid()}) lacks {mode} permission; fix its permissions or pass another directory")
@@ -209,7 +212,7 @@ class Namespace:
         path = os.path.join(self.paths[i], LOCK)
         # no O_TRUNC: keep the holder's pid; never a link (it would truncate another user's file)
         # A named writer's LOCK is its owner's alone (0600): a group member who could open it
-        # could hold its flock and keep the writer from restarting (round two, item 2b).
+        # could hold its flock and keep the writer from restarting (tests/store/test_store_sharing.py::test_a_member_cannot_lock_replace_or_write_a_named_writers_directory).
         fd = open_file(LOCK, os.O_RDWR | os.O_CREAT, dir_fd=self.ns_fds[i], access=self.access,
                        mode=0o600 if self.writer_id and self.access.shared else None, where=f"lock file {path!r}")
         try:

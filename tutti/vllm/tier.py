@@ -172,7 +172,7 @@ class TuttiTier(SecondaryTierManager):
 
     @staticmethod
     def _identity() -> tuple[tuple[str, str], ...]:
-        """What the model's name does not say (hardening round two, item 6), from vLLM's config
+        """What the model's name does not say (tests/vllm/test_tier.py::test_a_checkpoint_replaced_at_the_same_path_is_another_namespace), from vLLM's config
         where it is reachable: the weights' identity (a checkpoint replaced at the same path is
         another namespace) and the context-parallel sizes (refused above 1, as the connector does)."""
         vcfg = compat.constructing_vllm_config()
@@ -313,7 +313,7 @@ class TuttiTier(SecondaryTierManager):
         bad = []
         for key, slot, dst in work:
             if slot is None:  # asked for a chunk this tier no longer holds: the job fails, never
-                ok[key] = False  # reports the CPU-tier slot's stale bytes as loaded (round two, item 9)
+                ok[key] = False  # reports the CPU-tier slot's stale bytes as loaded (tests/vllm/test_tier.py::test_a_load_job_for_a_chunk_no_longer_held_fails)
                 continue
             entry = self._store.get(slot)
             out = self._view[dst * cb:(dst + 1) * cb]

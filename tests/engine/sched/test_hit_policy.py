@@ -322,7 +322,7 @@ def budgeted_32k_hit(read_bps: float, warmup_s: float):
 
 
 def test_the_auto_budget_holds_a_long_prompts_own_first_step():
-    """Run 6 (H200, 8B, 32k hit at a 32768-token step budget, disk at 1.8 GB/s): counting
+    """load_or_compute/2026-12-03_8b_32k_lookahead_auto.json (H200, 8B, 32k hit at a 32768-token step budget, disk at 1.8 GB/s): counting
     attention, the policy chose to hide about 13k tokens' reads under the suffix's first step, but
     the budget, a step of fresh tokens (0.81 s), was smaller, so the hit went asynchronous and
     loaded whole (1.9x recompute). The budget now holds the prompt's own first step."""
@@ -409,7 +409,7 @@ def test_the_planner_hands_the_policy_its_running_batch():
     p.build_step({f"d{i}": 40 for i in range(3)}, {f"d{i}": 0 for i in range(3)})
     assert p.match("r", toks + [1], 0) == 192
     assert seen[-1] == 3
-    # a request that finished waits for nothing (load_or_compute run 6: the warm-up prompt, done,
+    # a request that finished waits for nothing (load_or_compute/2026-12-03_8b_32k_lookahead_auto.json: the warm-up prompt, done,
     # still counted as a batch of 1, made a 32k hit load whole from a slow disk asynchronously)
     p.finished("d0")
     p.finished("d1")
@@ -528,7 +528,7 @@ def test_prefill_work_counts_each_token_by_its_position():
 
 
 def test_a_long_prompts_back_costs_more_so_more_of_its_front_loads():
-    """Session 9's 32k hit (run 5): the step's suffix was computed at the rate of a 4k prompt
+    """The 32k hit of load_or_compute/2026-12-03_8b_32k_budget32768.json: the step's suffix was computed at the rate of a 4k prompt
     while its back, attending to 10-32k tokens, runs at about two thirds of it. Counting attention,
     the back's compute hides more reads: the policy loads more of the front, and the modelled
     time comes closer to the measured one (1.08 s for 10,752 tokens loaded at 1.3 GB/s)."""
@@ -566,7 +566,7 @@ def test_the_meter_counts_a_steps_work_so_long_prompts_do_not_read_as_a_slow_gpu
 
 
 def test_the_probe_rate_discounted_chooses_the_first_hit_as_the_measured_rate_would():
-    """load_or_compute run 7 (H200, 32k hit, a step of 32768): the probe read 2.55 GB/s with the
+    """load_or_compute/2026-12-03_8b_32k_attention_policy.json (H200, 32k hit, a step of 32768): the probe read 2.55 GB/s with the
     GPU idle, reads under the step ran at 2.14; the first hit chose from the probe and loaded
     15,104 tokens (0.84x of recompute), the next from the measured rate 13,568 (0.73x). Taken at
     PROBE_UNDER_STEP of itself, the probe's choice is closer to the measured rate's, and in the

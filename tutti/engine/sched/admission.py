@@ -77,7 +77,7 @@ class DriveShare:
     """Whole prefixes, and fewer of them while the drive is the bottleneck.
 
     Why: on a drive slower than prefill, every prefix written once can already fill it (a loaded
-    H200 over a 1.6 GB/s disk: 26 GB of writes and 16 GB of reads in 23 s, serve.md run 9); the
+    H200 over a 1.6 GB/s disk: 26 GB of writes and 16 GB of reads in 23 s: results/serve.md, serve/2026-12-03_reads_first.json); the
     hits' reads then get what is left, and the hit policy recomputes the rest by choice, so those
     chunks' writes bought nothing. Writing a share of the prefixes leaves their reads the drive.
 
@@ -87,9 +87,9 @@ class DriveShare:
     `floor` at least) after an interval in which stores were skipped (the drive does not keep up
     with the writes), and rises by `rise` (to 1) after one without: on a RAM root, or a drive that
     keeps up, it stays 1 and admits everything. Hits recomputed by choice while stores were
-    written cut it too until session 13: in `bench/drive_sim.py`'s model that trigger fired on
+    written do not cut it: in `bench/drive_sim.py`'s model that trigger fired on
     drives that keep up and cost 1-2% against admitting everything at 2.5-3.5 GB/s, and without it
-    the policy does as well at 0.8 GB/s and better at 1.7-3.5 (`drive_sim_skip_trigger.json`).
+    the policy does as well at 0.8 GB/s and better at 1.7-3.5 (results/drive_sim.md, `drive_sim_skip_trigger.json`).
     """
 
     name = "drive_share"

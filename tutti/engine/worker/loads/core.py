@@ -181,7 +181,7 @@ class LoadCore:
         """At start-up, every kernel a load launches beside the copy kernels: verdicts OR-ed in
         place and by index, rows picked by index, a partial chunk, one layer and every layer.
         CUDA loads a kernel's module on its first launch while holding the context's lock, and
-        every thread's launch waits behind it: a serving trace (serve.md, run 14) caught the
+        every thread's launch waits behind it: a serving trace (results/serve.md, serve/2026-12-03_profile_tutti_shm.json) caught the
         engine's thread stalled 25 ms behind this pipeline's first index_select. Block 0 of the
         caches is read and written back with its own bytes; the verdict buffer is sized for
         `max_loads` chunks a step (pinned memory is not allocated while serving); `detached`: a
