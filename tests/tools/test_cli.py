@@ -277,3 +277,23 @@ def test_inspect_and_verify_read_every_writer_of_a_shared_namespace(tmp_path, ca
     flip_byte(path, off + 5, 0x01)
     rc, out, _ = run_cli(capsys, "verify", "--no-progress", str(root))
     assert rc == 1 and "w-b" in out and "slot 7" in out, out
+
+
+def test_tutti_serve_stops_on_a_bad_tutti_config_before_vllm_starts(tmp_path):
+    """A misspelt key stops `tutti serve` before it hands over to vLLM (which would load the model
+    first): exit status 2, tutti's message naming the key and the nearest one as the last line, and
+    no store created. Another connector's config is vLLM's to check."""
+    ktc = {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
+           "kv_role": "kv_both", "kv_connector_extra_config": {"root": str(tmp_path / "kv"), "capacity_byte": "1GiB"}}
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", "tutti", "serve", str(tmp_path / "no-model"), "--kv-transfer-config",
+                        json.dumps(ktc)], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("tutti: error: kv_connector_extra_config: unknown key(s) ['capacity_byte']")
+    assert "did you mean 'capacity_bytes'" in last
+    assert not (tmp_path / "kv").exists()
+    from tutti.tools.cli import check_kv_transfer_config
+
+    check_kv_transfer_config(["--kv-transfer-config", json.dumps({"kv_connector": "OffloadingConnector",
+                                                                  "kv_connector_extra_config": {"x": 1}})])

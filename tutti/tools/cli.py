@@ -103,6 +103,36 @@ def _parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+TUTTI_CONNECTORS = ("TuttiConnectorV1", "TuttiHybridConnectorV1")
+
+
+def check_kv_transfer_config(vllm_args: Sequence[str]) -> None:
+    """tutti's keys in `--kv-transfer-config`, checked as the connector will check them (no IO):
+    a typo stops `tutti serve` in a second with tutti's message as its last line, where vLLM would
+    load the model first (a minute on a real one) and bury the message under its tracebacks."""
+    raw = None
+    for i, a in enumerate(vllm_args):
+        if a == "--kv-transfer-config" and i + 1 < len(vllm_args):
+            raw = vllm_args[i + 1]
+        elif a.startswith("--kv-transfer-config="):
+            raw = a.split("=", 1)[1]
+    if raw is None:
+        return
+    try:
+        ktc = json.loads(raw)
+    except ValueError as exc:
+        raise CliError(f"--kv-transfer-config is not valid JSON ({exc}); quote it for the shell: "
+                       "--kv-transfer-config '{\"kv_connector\": \"TuttiConnectorV1\", ...}'") from None
+    if not isinstance(ktc, dict) or ktc.get("kv_connector") not in TUTTI_CONNECTORS:
+        return  # another connector: vLLM's to check
+    from tutti.engine.config.settings import ConfigError, EngineConfig
+
+    try:
+        EngineConfig.from_dict(ktc.get("kv_connector_extra_config") or {})
+    except ConfigError as exc:
+        raise CliError(exc.qualified("kv_connector_extra_config")) from None
+
+
 def serve_command(model: str, vllm_args: Sequence[str]) -> list[str]:
     """`vllm serve MODEL ARGS` as vLLM's API server module (the same parser and server)."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -170,6 +200,7 @@ def _run(args: argparse.Namespace) -> int:
                        num_prompts=args.num_prompts)
         return EXIT_OK if res.identical and res.hit_tokens > 0 else EXIT_FAILED
     if args.command == "serve":
+        check_kv_transfer_config(args.vllm_args)  # a bad tutti config stops here, before vLLM loads a model
         cmd = serve_command(args.model, args.vllm_args)
         os.execv(cmd[0], cmd)  # the server is this process: signals and exit status are vLLM's
     if args.command == "inspect":
