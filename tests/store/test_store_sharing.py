@@ -158,21 +158,7 @@ def open_named(root, access, writer_id, writer=True):
 
 
 def put_named(root, slot):
-    mac = SegmentMac(SECRET)
-    with open_named(root, SHARED, "alice") as st:
-        key = chunk_key(slot)
-        tags = []
-        for layer in range(3):
-            data = layer_bytes(key, layer, SEG)
-            fd, off = st.location(slot, layer)
-            pwrite_all(fd, data, off)
-            tags.append(mac.tag(key, layer, data))
-        st.record_free([slot])
-        st.sync_journal()
-        st.sync_data([slot])
-        st.record_put(key, slot, tags)
-        st.sync_journal()
-        return st.namespaces[0]
+    return put_as(root, "alice", slot)
 
 
 def squat(ns):
@@ -229,7 +215,6 @@ def put_as(root, writer_id, slot):
     mac = SegmentMac(SECRET)
     with open_named(root, SHARED, writer_id) as st:
         key = chunk_key(slot)
-        fd, off = st.location(slot, 0)
         tags = []
         for layer in range(3):
             data = layer_bytes(key, layer, SEG)
