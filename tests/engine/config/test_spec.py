@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tutti.engine.config import spec
+from tutti.engine.config import reference, spec
 from tutti.engine.config.settings import ConfigError, EngineConfig
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
@@ -26,8 +26,8 @@ def test_every_rows_example_parses():
 
 
 def test_the_reference_is_rendered_from_the_table():
-    assert DOC.read_text() == spec.render_reference(), (
-        "docs/configuration.md differs from the table: python3 -m tutti.engine.config.spec > docs/configuration.md")
+    assert DOC.read_text() == reference.render_reference(), (
+        "docs/configuration.md differs from the table: python3 -m tutti.engine.config.reference > docs/configuration.md")
 
 
 @pytest.mark.parametrize("typo, near", [("capacity_byte", "capacity_bytes"), ("chunk_token", "chunk_tokens"),

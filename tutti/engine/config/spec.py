@@ -1,7 +1,7 @@
 """Every configuration key in one table: its group, the values it takes, what it does, an example
 and its parser. `EngineConfig.from_dict` is a loop over this table, and docs/configuration.md is
-rendered from it (`python3 -m tutti.engine.config.spec > docs/configuration.md`; a test fails when
-the two differ). Defaults are the `EngineConfig` dataclass's, never repeated here.
+rendered from it (`python3 -m tutti.engine.config.reference > docs/configuration.md`; a test fails
+when the two differ). Defaults are the `EngineConfig` dataclass's, never repeated here.
 
 A new key: a field on EngineConfig (with its default), a row here (a parser from the factories
 below or values.py), and the doc rendered again.
@@ -10,9 +10,8 @@ below or values.py), and the doc rendered again.
 from __future__ import annotations
 
 import difflib
-import json
 import os
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from tutti.engine.config.values import (
@@ -354,39 +353,7 @@ def check_combinations(kw: Mapping[str, Any]) -> None:
             "prompt's KV apart; keep verify_checksums on where several servers share a root")
 
 
-# ---- the reference -----------------------------------------------------------------------------
-def _default(name: str) -> str:
-    from tutti.engine.config.settings import EngineConfig
+if __name__ == "__main__":  # the reference's renderer, also under this module's name
+    from tutti.engine.config.reference import render_reference
 
-    key = KEYS[name]
-    if key.required:
-        return "required"
-    f = {f.name: f for f in fields(EngineConfig)}[name]
-    v = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-    return f"`{json.dumps(v)}`"
-
-
-def render_reference() -> str:
-    """docs/configuration.md: every key, grouped, from the table above."""
-    out = ["# Configuration reference", "",
-           "Every key tutti takes in the `kv_connector_extra_config` of vLLM's `--kv-transfer-config` (with "
-           "`vllm serve`, `tutti serve` or `LLM(kv_transfer_config=...)`). "
-           "Rendered from `tutti/engine/config/spec.py` by `python3 -m tutti.engine.config.spec > "
-           "docs/configuration.md`; a test fails when the two differ. A bad value stops the server before the "
-           "model loads, with a message naming the key, the value and what is expected.", "",
-           "The two keys everyone sets:", "",
-           "```json", json.dumps({"root": "/mnt/nvme/tutti", "capacity_bytes": "512GiB"}), "```", ""]
-    for g, title in GROUPS.items():
-        out += [f"## {title}", "", "| key | takes | default | example | what it does |", "|---|---|---|---|---|"]
-        for k in KEYS.values():
-            if k.group == g:
-                out.append(f"| `{k.name}` | {k.takes} | {_default(k.name)} | `{json.dumps(k.example)}` | {k.doc} |")
-                if k.name == "root":
-                    out.append("| `roots` | a list of directory paths | - | `[\"/mnt/nvme0/tutti\", "
-                               "\"/mnt/nvme1/tutti\"]` | `root` striped over several directories, one per drive. |")
-        out.append("")
-    return "\n".join(out)
-
-
-if __name__ == "__main__":
     print(render_reference(), end="")
