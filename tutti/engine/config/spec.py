@@ -351,9 +351,3 @@ def check_combinations(kw: Mapping[str, Any]) -> None:
             f"verify_checksums=False: refused with writer_id={kw['writer_id']!r}: another writer may evict and "
             "rewrite a slot between a reader's journal check and its reads, and only the checksum tells the other "
             "prompt's KV apart; keep verify_checksums on where several servers share a root")
-
-
-if __name__ == "__main__":  # the reference's renderer, also under this module's name
-    from tutti.engine.config.reference import render_reference
-
-    print(render_reference(), end="")
