@@ -104,7 +104,6 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
     from tutti.engine.sched.admission import get_admission
     from tutti.engine.sched.eviction import get_eviction
     from tutti.engine.sched.hit_policy import get_policy
-    from tutti.store.chunk_store import ChunkStore
 
     cfg = EngineConfig.of(raw_config, rank=0)  # parsed once; other ranks: cfg.for_rank
     if cfg.writer_id == claims.AUTO:  # the slot this engine's worker took (tutti.engine.claims)
@@ -128,10 +127,7 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
     for tp, pp, rank in geom.store_ranks:
         rcfg = cfg.for_rank(rank)
         try:
-            store = ChunkStore(list(rcfg.roots), geom.for_rank(tp, pp).fingerprint(),
-                               capacity_bytes=cfg.capacity_bytes, writer=False,
-                               slots_per_slab=cfg.slots_per_slab, access=store_access(cfg),
-                               writer_id=cfg.writer_id)
+            store = open_store(cfg, rcfg.roots, geom.for_rank(tp, pp).fingerprint(), writer_id=cfg.writer_id)
         except FileNotFoundError:
             per_rank.append({})
             continue
@@ -155,6 +151,20 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
     planner.extras = _extras_writer(cfg, geom, set(own.values())) if announce else None
     planner.foreign = _foreign_index(cfg, geom, announce=announce)
     return planner
+
+
+def open_store(cfg: EngineConfig, roots: Sequence[str], fingerprint, *, writer_id: str, writer: bool = False,
+               foreign: bool = False, medium=None, map_ram: bool = False, access=None, open_file=None):
+    """The one place the engine opens a ChunkStore from its config. `foreign`: another writer's
+    store, read only (its capacity and slab layout are its own, from its manifest); else this
+    server's (its capacity and slots per slab)."""
+    from tutti.engine.sharing import FOREIGN_CAPACITY
+    from tutti.store.chunk_store import ChunkStore
+
+    return ChunkStore(list(roots), fingerprint, capacity_bytes=FOREIGN_CAPACITY if foreign else cfg.capacity_bytes,
+                      writer=writer, slots_per_slab=None if foreign else cfg.slots_per_slab,
+                      access=store_access(cfg) if access is None else access, max_open_slabs=cfg.max_open_slabs,
+                      map_ram=map_ram, writer_id=writer_id, medium=medium, open_file=open_file)
 
 
 def _writer_dir(cfg: EngineConfig, geom: Geometry, writer_id: str) -> str:
@@ -183,8 +193,8 @@ def _extras_writer(cfg: EngineConfig, geom: Geometry, live: set[bytes]):
 
 def _foreign_index(cfg: EngineConfig, geom: Geometry, *, announce: bool = False):
     """The scheduler's view of the other writers of the namespace (every store rank)."""
-    from tutti.engine.sharing import FOREIGN_CAPACITY, ForeignIndex
-    from tutti.store.chunk_store import ChunkStore, list_writers
+    from tutti.engine.sharing import ForeignIndex
+    from tutti.store.chunk_store import list_writers
 
     ranks = list(geom.store_ranks)
     rank_cfgs = [cfg.for_rank(rank) for _, _, rank in ranks]
@@ -195,8 +205,7 @@ def _foreign_index(cfg: EngineConfig, geom: Geometry, *, announce: bool = False)
 
     def open_reader(i: int, writer: str):
         tp, pp, _ = ranks[i]
-        return ChunkStore(list(rank_cfgs[i].roots), geom.for_rank(tp, pp).fingerprint(),
-                          capacity_bytes=FOREIGN_CAPACITY, writer=False, access=store_access(cfg), writer_id=writer)
+        return open_store(cfg, rank_cfgs[i].roots, geom.for_rank(tp, pp).fingerprint(), writer_id=writer, foreign=True)
 
     def open_extras(writer: str):
         from tutti.store.extras import ExtrasReader
@@ -210,12 +219,11 @@ def _foreign_index(cfg: EngineConfig, geom: Geometry, *, announce: bool = False)
 def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file=None, access, maps, medium=None):
     """The worker's writer store, and cfg with the writer id it took: the configured one, or
     for "auto" the first free slot of tutti.engine.claims (recorded under `engine_id`)."""
-    from tutti.store.chunk_store import ChunkStore, StoreLockedError, WriterDirectoryTakenError
+    from tutti.store.chunk_store import StoreLockedError, WriterDirectoryTakenError
 
     def open_as(writer_id: str):
-        return ChunkStore(list(cfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes, writer=True,
-                          slots_per_slab=cfg.slots_per_slab, open_file=open_file, access=access,
-                          max_open_slabs=cfg.max_open_slabs, map_ram=maps, writer_id=writer_id, medium=medium)
+        return open_store(cfg, cfg.roots, geom.fingerprint(), writer_id=writer_id, writer=True, medium=medium,
+                          map_ram=maps, access=access, open_file=open_file)
 
     if cfg.writer_id != claims.AUTO:
         return open_as(cfg.writer_id), cfg
@@ -254,7 +262,6 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
     None: only where the config says true ("auto" is the connector's to resolve, from what vLLM runs).
     `step_tokens`: vLLM's token budget of a step, which "auto" staging is sized for."""
     from tutti.io.queue import open_queue
-    from tutti.store.chunk_store import ChunkStore
     from tutti.kernels import get_variant, segment_checksum
 
     cfg = EngineConfig.of(raw_config, rank=rank).sized_staging(
@@ -296,12 +303,11 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
         store = ReplicaReader(list(wcfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes,
                               slots_per_slab=cfg.slots_per_slab, medium=medium, access=access,
                               max_open_slabs=cfg.max_open_slabs, map_ram=False, writer_id=cfg.writer_id)
-    from tutti.engine.sharing import FOREIGN_CAPACITY, ForeignStores
+    from tutti.engine.sharing import ForeignStores
 
     fingerprint = geom.fingerprint()
-    foreign = ForeignStores(lambda writer: ChunkStore(
-        store_roots, fingerprint, capacity_bytes=FOREIGN_CAPACITY, writer=False, medium=medium, access=access,
-        max_open_slabs=cfg.max_open_slabs, map_ram=False, writer_id=writer))  # the file path: see ReplicaReader
+    foreign = ForeignStores(lambda writer: open_store(  # the file path: see ReplicaReader
+        cfg, store_roots, fingerprint, writer_id=writer, foreign=True, medium=medium, access=access))
     from tutti.engine.hostcost import shorten_switch_interval
 
     shorten_switch_interval(None if cfg.gil_switch_interval_s == "off" else cfg.gil_switch_interval_s)
