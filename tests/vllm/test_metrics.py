@@ -327,7 +327,11 @@ def test_metrics_and_startup_line_on_a_running_vllm_server(tiny_model, tmp_path)
     ready = [line for line in log_path.read_text().splitlines() if "tutti: ready:" in line]
     assert len(ready) == 1, ready
     assert " INFO " in ready[0]
-    for part in ("backend=", "roots=['" + str(tmp_path / "kv"), "capacity=67108864 B", "layout=", "kernel=torch",
-                 "hits=layerwise+async_past_budget",  # vLLM on the CPU schedules synchronously
-                 "gil_switch_interval=0.005 s"):  # the engine core's (gil_switch_interval_s "off": CPython's)
+    for part in ("backend=", "roots=['" + str(tmp_path / "kv"), "capacity=64.0 MiB", "hits=layerwise+async_past_budget "
+                 "(vLLM schedules synchronously)", "read probe: nothing stored yet"):  # vLLM on the CPU: synchronous
         assert part in ready[0], (part, ready[0])
+    line = ready[0].split("tutti: ready:", 1)[1]
+    assert len(line) < 300 and "layout=" not in line, line  # short: the layout and the rest are at DEBUG
+    assert "tutti: details:" not in log_path.read_text()
+    again = [ln for ln in restarted_log.read_text().splitlines() if "tutti: ready:" in ln]
+    assert len(again) == 1 and "GB/s" in again[0] and "(4 chunks of 64 tokens stored)" in again[0], again

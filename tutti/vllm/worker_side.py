@@ -12,6 +12,7 @@ from vllm.logger import init_logger
 
 from tutti.engine import claims, handoff
 from tutti.engine.build import build_worker
+from tutti.engine.config.values import human
 from tutti.engine.hostcost import WAITS, HookClock, ThreadCPU, timed, worker_threads
 from tutti.engine.plan import StepPlan, WorkerReport
 from tutti.vllm import compat, layout, translate
@@ -66,21 +67,22 @@ class WorkerHalf:
         self._log_ready(paged, len(caches))
 
     def _log_ready(self, paged: Any, num_layers: int) -> None:
-        """The one start-up line (INFO, rank 0; other ranks at DEBUG)."""
+        """The start-up lines (rank 0 at INFO, other ranks at DEBUG): a short one a user reads (the
+        store, how hits load, the measured read rate), and the details at DEBUG (layout, kernel,
+        staging, mappings, the interpreter's settings, every "auto" decided and why)."""
         w, cfg = self.worker, self.setup.cfg
         rank = translate.worker_rank(self._vllm_config)
-        (logger.info if rank == 0 else logger.debug)(
-            "tutti: ready: backend=%s roots=%s capacity=%d B layout=%s kernel=%s layers=%d chunk=%d tokens "
-            "resident=%d chunks rank=%d staging=%d B (%d store chunks) mapped=%d B in %.2f s%s hits=%s "
-            "read probe=%d B in %.3f s gil_switch_interval=%g s idle_load_wait=%g s; start-up took %.2f s; "
-            "auto: %s",
-            w.queue.caps().backend, list(w.cfg.roots), cfg.capacity_bytes, paged, w.kernel.name,
-            num_layers, cfg.chunk_tokens, w.resident_chunks, rank, w.cfg.staging_bytes,
-            w.stores.arena.num_regions, w.mapped_bytes, w.map_seconds,
-            f" (stores copy into it: {w.stores.map_copy})" if w.stores.into_maps else "", self.setup.load_mode,
-            w.probe[0], w.probe[1], sys.getswitchinterval(), w.idle_wait_s, w.warmup_seconds,
-            w.decisions.describe() or "none",
-        )
+        info = logger.info if rank == 0 else logger.debug
+        probe = f"{w.probe[0] / w.probe[1] / 1e9:.2f} GB/s" if w.probe[0] and w.probe[1] > 0 else "nothing stored yet"
+        info("tutti: ready: roots=%s capacity=%s (%d chunks of %d tokens stored) backend=%s hits=%s read probe: %s; "
+             "start-up took %.2f s", list(w.cfg.roots), human(cfg.capacity_bytes), w.resident_chunks, cfg.chunk_tokens,
+             w.queue.caps().backend, self.setup.load_mode, probe, w.warmup_seconds)
+        logger.debug(
+            "tutti: details: layout=%s kernel=%s layers=%d rank=%d staging=%d B (%d store chunks) mapped=%d B in %.2f s%s "
+            "read probe=%d B in %.3f s gil_switch_interval=%g s idle_load_wait=%g s; auto: %s",
+            paged, w.kernel.name, num_layers, rank, w.cfg.staging_bytes, w.stores.arena.num_regions, w.mapped_bytes,
+            w.map_seconds, f" (stores copy into it: {w.stores.map_copy})" if w.stores.into_maps else "",
+            w.probe[0], w.probe[1], sys.getswitchinterval(), w.idle_wait_s, w.decisions.describe() or "none")
 
     # ------------------------------------------------------------------ the step
     @timed("_hooks")
