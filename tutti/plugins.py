@@ -1,6 +1,6 @@
 """One resolver for the "package.module:attr" form every registry takes (kernel variants, IO
 backends, the hit, eviction and admission policies): import the module, walk the dotted attribute,
-and say what failed, naming the key; and the one registry the three policy keys share."""
+and say what failed, naming the key; and the one registry the policy keys and the medium share."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def resolve_name(spec: Any, key: str, registry: Mapping[str, Any]) -> tuple[Any,
 
 
 class PolicyRegistry:
-    """The registry behind one policy key (hit_policy, eviction_policy, store_admission): built-in
-    and registered names, "package.module:attr", and the check that what comes back implements
+    """The registry behind one pluggable key (hit_policy, eviction_policy, store_admission, medium):
+    built-in and registered names, "package.module:attr", and the check that what comes back implements
     the policy's methods. `fresh`: every lookup makes a new object from a class or factory (a
     policy with state of its own per index); otherwise an instance is also taken as it is."""
 
@@ -57,16 +57,17 @@ class PolicyRegistry:
     def names(self) -> list[str]:
         return sorted(self._entries)
 
-    def get(self, spec: Any) -> Any:
+    def get(self, spec: Any, *args: Any) -> Any:
         """The policy `spec` names: a registered name or "package.module:attr" (a class, a factory
-        or, unless `fresh`, an instance); unless `fresh`, a policy object passes through."""
+        or, unless `fresh`, an instance); unless `fresh`, a policy object passes through. `args`
+        go to the class or factory (a medium takes the IO backend's open)."""
         if not self.fresh and self._implements(spec):
             return spec
         obj, registered = resolve_name(spec, self.key, self._entries)
         if not registered and not self.fresh and self._implements(obj):
             pol = obj
         elif callable(obj):
-            pol = obj()
+            pol = obj(*args)
         else:
             raise ValueError(f"{self.key}={spec!r}: not a class or factory of a policy")
         missing = [m for m in self.methods if not callable(getattr(pol, m, None))]

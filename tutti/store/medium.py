@@ -16,6 +16,7 @@ import os
 from typing import Any, Callable, Protocol
 
 from tutti.io.safefs import Access, check_fd, open_file
+from tutti.plugins import PolicyRegistry
 
 OpenHook = Callable[[str, bool, int], int]  # (name, writer, dir_fd) -> fd: the IO backend's open
 
@@ -93,25 +94,21 @@ def has_hole(fd: int, start: int, end: int) -> bool:
         return True  # no SEEK_HOLE support: assume the worst and write the zeros
 
 
-_MEDIA: dict[str, Callable[..., Medium]] = {"file": FileMedium}
-
-
-def register_medium(name: str, factory: Callable[..., Medium]) -> None:
-    """Make `name` choosable as the `medium` key's value; `factory(open_hook)` builds it."""
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"register_medium: name={name!r}: expected a non-empty name without ':'")
-    _MEDIA[name] = factory
+_REGISTRY = PolicyRegistry("medium", "register_medium", {"file": FileMedium}, ("open_slab", "sync", "reserve"),
+                           fresh=True, doc="tutti.store.medium.Medium")
+#: (name, class or factory taking the IO backend's open): choosable as the `medium` key's value
+register_medium = _REGISTRY.register
+available_media = _REGISTRY.names
 
 
 def get_medium(spec: Any, open_hook: OpenHook | None = None) -> Medium:
     """The medium `spec` names (a registered name or "package.module:attr"), built over the IO
     backend's open; ValueError naming the `medium` key otherwise."""
+    return _REGISTRY.get(spec, open_hook)
+
+
+def check_medium(spec: Any) -> None:
+    """`spec` names a medium (checked before any IO; ValueError naming the key otherwise)."""
     from tutti.plugins import resolve_name
 
-    factory, _ = resolve_name(spec, "medium", _MEDIA)
-    medium = factory(open_hook)
-    for method in ("open_slab", "sync", "reserve"):
-        if not callable(getattr(medium, method, None)):
-            raise ValueError(f"medium={spec!r}: {type(medium).__name__} has no {method}(); a medium implements "
-                             "open_slab, sync and reserve (tutti.store.medium.Medium)")
-    return medium
+    resolve_name(spec, "medium", {n: None for n in _REGISTRY.names()})

@@ -137,11 +137,10 @@ def io_backend(name: str, v: Any) -> str:
 
 def medium(name: str, v: Any) -> str:
     """A medium that resolves (tutti.store.medium), checked before any IO."""
-    from tutti.plugins import resolve_name
-    from tutti.store.medium import _MEDIA
+    from tutti.store.medium import check_medium
 
     try:
-        resolve_name(v, name, _MEDIA)
+        check_medium(v)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return v
