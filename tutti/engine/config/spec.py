@@ -244,7 +244,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("hit_policy", "policy", "\"auto\", \"always\", \"never\", a registered name or \"package.module:attr\"",
         "How much of a hit to load; \"auto\": what the measured read and prefill rates say is faster than "
         "recomputing.", "auto", policy("tutti.engine.sched.hit_policy.get_policy")),
-    Key("eviction_policy", "policy", "\"lru\", \"fifo\", a registered name or \"package.module:attr\"",
+    Key("eviction_policy", "policy", "\"lru\", \"fifo\", \"lfuda\", a registered name or \"package.module:attr\"",
         "Which resident chunk a full store gives up first.", "lru",
         policy("tutti.engine.sched.eviction.get_eviction")),
     Key("store_admission", "policy", "\"all\", \"seen_twice\", \"drive_share\", a registered name or "
