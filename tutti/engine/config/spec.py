@@ -107,17 +107,22 @@ def text(expected: str, *, empty: bool = True) -> Parse:
     return parse
 
 
+def _resolves(check: Callable[[Any], Any], v: Any) -> Any:
+    """`v`, once `check` accepts it; its ValueError (which names the key) as a ConfigError."""
+    try:
+        check(v)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return v
+
+
 def policy(getter: str) -> Parse:
     """A policy name that resolves (tutti.engine.sched.*), checked before any IO."""
     def parse(name: str, v: Any) -> Any:
         import importlib
 
         module, _, fn = getter.rpartition(".")
-        try:
-            getattr(importlib.import_module(module), fn)(v)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        return v
+        return _resolves(getattr(importlib.import_module(module), fn), v)
     return parse
 
 
@@ -128,10 +133,7 @@ def io_backend(name: str, v: Any) -> str:
     if v != "auto":
         from tutti.io.queue import resolve_backend
 
-        try:
-            resolve_backend(v)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        _resolves(resolve_backend, v)
     return v
 
 
@@ -139,11 +141,7 @@ def medium(name: str, v: Any) -> str:
     """A medium that resolves (tutti.store.medium), checked before any IO."""
     from tutti.store.medium import check_medium
 
-    try:
-        check_medium(v)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return v
+    return _resolves(check_medium, v)
 
 
 def io_options(name: str, v: Any) -> dict:
