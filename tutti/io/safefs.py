@@ -176,3 +176,28 @@ def open_file(name: str, flags: int, *, dir_fd: int | None = None, mode: int | N
         os.close(fd)
         raise
     return fd
+
+
+def replace_file(name: str, data: bytes, *, dir_fd: int, access: Access = PRIVATE, where: str | None = None,
+                 durable: bool = False) -> None:
+    """Replace `name` in `dir_fd` with `data` atomically: a temporary created exclusively (a stale
+    one, or a link planted there, is removed, never followed), written whole, then renamed over.
+    `durable`: the data and the rename are synced, so a crash leaves the old file or the new one."""
+    tmp = name + ".tmp"
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd, access=access,
+                   where=f"{where or name}.tmp")
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    if durable:
+        os.fsync(dir_fd)

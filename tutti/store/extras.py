@@ -22,7 +22,7 @@ import os
 import threading
 from typing import Any, Iterable, Iterator
 
-from tutti.io.safefs import PRIVATE, Access, check_fd, open_dir, open_file
+from tutti.io.safefs import PRIVATE, Access, check_fd, open_dir, open_file, replace_file
 
 EXTRAS = "extras.jsonl"
 MAX_LINE = 64 << 10  # bytes; a longer line is neither written nor read
@@ -93,20 +93,10 @@ class ExtrasWriter:
             self.compact()
 
     def compact(self) -> None:
-        """Rewrite the file with the live keys only: a temporary made O_EXCL, then renamed over."""
-        tmp = EXTRAS + ".tmp"
+        """Rewrite the file with the live keys only (tutti.io.safefs.replace_file)."""
         with self._lock:
-            try:
-                os.unlink(tmp, dir_fd=self._dir)  # a stale one of ours, or a planted link: removed, never followed
-            except FileNotFoundError:
-                pass
-            fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=self._dir, access=self.access,
-                           where=f"{self.directory}/{tmp}")
-            try:
-                os.write(fd, "".join(self._live.values()).encode())
-            finally:
-                os.close(fd)
-            os.rename(tmp, EXTRAS, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+            replace_file(EXTRAS, "".join(self._live.values()).encode(), dir_fd=self._dir, access=self.access,
+                         where=f"{self.directory}/{EXTRAS}")
             if self._fd >= 0:
                 os.close(self._fd)
             self._fd = open_file(EXTRAS, os.O_WRONLY | os.O_APPEND, dir_fd=self._dir, access=self.access,

@@ -17,7 +17,7 @@ import json
 import math
 import os
 
-from tutti.io.safefs import PRIVATE, Access, check_fd, open_dir, open_file
+from tutti.io.safefs import PRIVATE, Access, check_fd, open_dir, open_file, replace_file
 
 HINTS = "rates.json"
 MAX_BYTES = 4096
@@ -56,17 +56,7 @@ def write_hints(directory: str, hints: dict[str, float], access: Access = PRIVAT
     if not data:
         return
     d = open_dir(directory, check=True, access=access, where=f"writer directory {directory!r}")
-    tmp = HINTS + ".tmp"
     try:
-        try:
-            os.unlink(tmp, dir_fd=d)  # a stale one of ours, or a planted link: removed, never followed
-        except FileNotFoundError:
-            pass
-        fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=d, access=access, where=f"{directory}/{tmp}")
-        try:
-            os.write(fd, json.dumps(data).encode())
-        finally:
-            os.close(fd)
-        os.rename(tmp, HINTS, src_dir_fd=d, dst_dir_fd=d)
+        replace_file(HINTS, json.dumps(data).encode(), dir_fd=d, access=access, where=f"{directory}/{HINTS}")
     finally:
         os.close(d)

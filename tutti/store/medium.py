@@ -16,6 +16,7 @@ import os
 from typing import Any, Callable, Protocol
 
 from tutti.io.safefs import Access, check_fd, open_file
+from tutti.store.namespace import exists
 from tutti.plugins import PolicyRegistry
 
 OpenHook = Callable[[str, bool, int], int]  # (name, writer, dir_fd) -> fd: the IO backend's open
@@ -51,7 +52,7 @@ class FileMedium:
                 os.fsync(dir_fd)  # the new name must survive a crash with the data under it
             except FileExistsError:
                 pass
-        elif not _exists(name, dir_fd):
+        elif not exists(name, dir_fd):
             raise OSError(errno.ENOENT, f"slab file {path!r} is missing (no chunk was ever stored there)", path)
         if self.open_hook is not None:
             fd = self.open_hook(name, writer, dir_fd)
@@ -77,14 +78,6 @@ class FileMedium:
         if os.fstat(fd).st_size >= length and not has_hole(fd, 0, length):
             return
         os.posix_fallocate(fd, 0, length)
-
-
-def _exists(name: str, dir_fd: int) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 def has_hole(fd: int, start: int, end: int) -> bool:

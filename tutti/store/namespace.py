@@ -23,7 +23,7 @@ from typing import Any
 
 from tutti.store.fingerprint import Fingerprint
 from tutti.store.journal import fsync_dir
-from tutti.io.safefs import PRIVATE, Access, UnsafeFileError, open_dir, open_file
+from tutti.io.safefs import PRIVATE, Access, UnsafeFileError, open_dir, open_file, replace_file
 
 STORE_FORMAT = "tutti-chunk-store"
 STORE_VERSION = 1
@@ -436,24 +436,8 @@ def parse_manifest(raw: bytes, path: str, ns: str) -> dict:
 
 def write_manifest(ns: str, manifest: dict, dir_fd: int, access: Access = PRIVATE) -> None:
     # Atomic: a crash leaves either no manifest (created again on the next open) or a whole one.
-    # The temporary is created exclusively (a planted file or link there is removed, never followed).
-    tmp = MANIFEST + ".tmp"
-    data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
-    try:
-        os.unlink(tmp, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
-    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd, access=access,
-                   where=f"manifest {os.path.join(ns, tmp)!r}")
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, MANIFEST, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    os.fsync(dir_fd)
+    replace_file(MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8"), dir_fd=dir_fd,
+                 access=access, where=f"manifest {os.path.join(ns, MANIFEST)!r}", durable=True)
 
 
 def read_only_fs(path: str) -> bool:
