@@ -28,13 +28,13 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
-from tutti.engine.config.settings import parse_bytes, resolve_root
+from tutti.engine.build import open_store
+from tutti.engine.config.settings import EngineConfig, parse_bytes, resolve_root
 from tutti.engine.sched.index import ChunkIndex
 from tutti.io.buffers import open_direct
 from tutti.store.fingerprint import Fingerprint
 from tutti.format import FORMAT_VERSION, align_up
 from tutti.store.integrity import CRC_TAG, SegmentMac, crc_tag, load_secret
-from tutti.store.chunk_store import ChunkStore
 from tutti.vllm import compat, identity, translate
 from tutti.vllm.logs import route_tutti_logs
 
@@ -138,8 +138,15 @@ class TuttiTier(SecondaryTierManager):
         def open_slab(name: str, writer: bool, dir_fd: int) -> int:
             return open_direct(name, write=writer, dir_fd=dir_fd, prefer=self.direct)[0]
 
-        self._store = ChunkStore([resolve_root(r, rank) for r in roots], fp, capacity_bytes=capacity, writer=True,
-                                 slots_per_slab=config.get("slots_per_slab"), open_file=open_slab)
+        # the engine's one store factory, over the tier's storage keys checked by the config's table
+        storage = {"roots": [resolve_root(r, rank) for r in roots], "capacity_bytes": capacity}
+        if config.get("slots_per_slab") is not None:
+            storage["slots_per_slab"] = config["slots_per_slab"]
+        try:
+            store_cfg = EngineConfig.from_dict(storage)
+        except ValueError as exc:
+            raise ValueError(f"secondary_tiers[type={tier_type}].{exc}") from None
+        self._store = open_store(store_cfg, store_cfg.roots, fp, writer_id="", writer=True, open_file=open_slab)
         self._index = ChunkIndex(self._store.num_slots)
         self._index.rebuild({slot: e.key for slot, e in self._store.entries().items()})
         self._threads = threads
