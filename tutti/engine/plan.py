@@ -30,6 +30,7 @@ class LoadChunk:
     skip_blocks: int = 0
     source: str | None = None  # another writer of the shared namespace that holds it (None: our own store)
     keep_blocks: int | None = None  # blocks before this index are written (None: every block)
+    tier: int = 0  # which of this server's tiers holds it (0: the first, fastest; see CopyChunk)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,20 @@ class StoreChunk:
     key: bytes
     slot: int
     block_ids: tuple[int, ...]
+    ticket: int
+
+
+@dataclass(frozen=True)
+class CopyChunk:
+    """Copy chunk `key` from `src_slot` of tier `src` to `dst_slot` of tier `dst` (a write-down
+    to a slower tier, or a promotion to a faster one), worker to worker's own stores, off the
+    forward thread; `ticket` names it. Both slots are held by the planner until it is reported."""
+
+    key: bytes
+    src: int
+    src_slot: int
+    dst: int
+    dst_slot: int
     ticket: int
 
 
@@ -57,9 +72,12 @@ class StepPlan:
     # vLLM scheduled no token in this step (every request it holds waits, e.g. for its load): the
     # step runs no forward pass, so the worker may wait for its asynchronous loads in it
     idle: bool = False
+    # Copies between this server's tiers (tutti.engine.sched.tiers): done by a worker thread,
+    # reported like stores
+    copies: list[CopyChunk] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.preempted or self.async_loads)
+        return not (self.loads or self.stores or self.preempted or self.async_loads or self.copies)
 
 
 @dataclass

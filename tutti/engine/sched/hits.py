@@ -222,22 +222,30 @@ class HitPlanning:
             log.warning("tutti: %s; loading the whole hit", exc)
             return chunk_floor(found, q)
 
-    def _locate(self, keys: Sequence[bytes]) -> list[tuple[str | None, int]]:
-        """Where each chunk of the longest stored prefix of `keys` is: (None, slot) in our own
-        store (touched: recently used), else (writer, slot) in another writer's."""
-        out: list[tuple[str | None, int]] = []
-        own: list[bytes] = []
+    def _locate(self, keys: Sequence[bytes]) -> list[tuple[str | None, int, int]]:
+        """Where each chunk of the longest stored prefix of `keys` is: (None, slot, tier) in our
+        own tiers, the fastest that holds it (touched there: recently used), else (writer, slot,
+        0) in another writer's store."""
+        out: list[tuple[str | None, int, int]] = []
+        touched: list[list[bytes]] = [[] for _ in range(self.num_tiers)]
         for key in keys:
             slot = self.index.slot_of(key)
             if slot is not None:
-                own.append(key)
-                out.append((None, slot))
+                touched[0].append(key)
+                out.append((None, slot, 0))
+                continue
+            below = self._in_lower(key) if self.lower else None
+            if below is not None:
+                touched[below[0]].append(key)
+                out.append((None, below[1], below[0]))
                 continue
             hit = self.foreign.get(key) if self.foreign is not None else None
             if hit is None:
                 break
-            out.append(hit)
-        self.index.touch_prefix(own)  # tail first: the prefix's head ends the most recently used
+            out.append((hit[0], hit[1], 0))
+        for t, own in enumerate(touched):  # tail first: the prefix's head ends the most recently used
+            if own:
+                self.tier_index(t).touch_prefix(own)
         return out
 
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int, *,
@@ -267,22 +275,25 @@ class HitPlanning:
             # Where match() found it. Our own chunks are pinned from there and cannot vanish; another
             # writer's may be evicted by its owner at any time: the worker checks it against that
             # writer's journal and checksums, and a chunk gone meanwhile is recomputed.
-            source, slot = r.hit_sources[c] if c < len(r.hit_sources) else (None, None)
-            if source is None and self.index.slot_of(key) != slot:
+            source, slot, tier = r.hit_sources[c] if c < len(r.hit_sources) else (None, None, 0)
+            if source is None and self.tier_index(tier).slot_of(key) != slot:
                 raise RuntimeError(f"chunk {c} of request {req_id} vanished between lookup and allocation")
             skip = max(0, r.local_computed - c * self.chunk_tokens) // self.block_size
-            r.loads.append(LoadChunk(req_id, key, slot, self._chunk_blocks(r, c), skip, source))
+            r.loads.append(LoadChunk(req_id, key, slot, self._chunk_blocks(r, c), skip, source, tier=tier))
             self._unsent_load_bytes += self._load_bytes(r.loads[-1])
-            self._hold(key, source, slot)
+            self._hold(key, source, slot, tier)
+            if source is None:
+                self.tier_stats.hit_tokens[tier] += self._load_tokens(r.loads[-1])
         if self.state_groups and last > first:  # the state at the hit's end
             if r.state_source is None:
                 raise RuntimeError(f"request {req_id}: a hit of {last} chunks without the state at its end")
-            source, slot = r.state_source
+            source, slot, tier = r.state_source
             skey = state_key(r.keys[last - 1])
-            if source is None and self.index.slot_of(skey) != slot:
+            if source is None and self.tier_index(tier).slot_of(skey) != slot:
                 raise RuntimeError(f"the state of chunk {last - 1} of request {req_id} vanished before allocation")
-            r.loads.append(LoadChunk(req_id, skey, slot, self._chunk_blocks(r, last - 1, state=True), 0, source))
-            self._hold(skey, source, slot)
+            r.loads.append(LoadChunk(req_id, skey, slot, self._chunk_blocks(r, last - 1, state=True), 0, source,
+                                     tier=tier))
+            self._hold(skey, source, slot, tier)
             r.stored_state_upto = max(r.stored_state_upto, last)
         if r.tail and self._plan_tail(r, last, r.local_computed + num_external_tokens):
             last += 1  # the prompt's last chunk, stored already: never stored again
@@ -303,13 +314,19 @@ class HitPlanning:
         # block, which the load never writes (it ends at keep)
         blocks += (NULL_BLOCK,) * (self.blocks_per_chunk - len(blocks))
         key = r.keys[c]
-        source, slot = r.hit_sources[c]
-        if source is None and self.index.slot_of(key) != slot:
+        source, slot, tier = r.hit_sources[c]
+        if source is None and self.tier_index(tier).slot_of(key) != slot:
             raise RuntimeError(f"chunk {c} of request {r.req_id} vanished between lookup and allocation")
-        r.loads.append(LoadChunk(r.req_id, key, slot, blocks, skip, source, keep_blocks=keep))
+        r.loads.append(LoadChunk(r.req_id, key, slot, blocks, skip, source, keep_blocks=keep, tier=tier))
         self._unsent_load_bytes += self._load_bytes(r.loads[-1])
-        self._hold(key, source, slot)
+        self._hold(key, source, slot, tier)
         return True
+
+    def _load_tokens(self, ld: LoadChunk) -> int:
+        """The tokens of the blocks a load writes."""
+        bpc = self.blocks_per_chunk
+        keep = bpc if ld.keep_blocks is None else min(ld.keep_blocks, bpc)
+        return max(0, keep - min(ld.skip_blocks, bpc)) * self.block_size
 
     def _load_bytes(self, ld: LoadChunk) -> int:
         """The bytes of the blocks a load writes (a chunk's share of its slot)."""
@@ -317,8 +334,8 @@ class HitPlanning:
         keep = bpc if ld.keep_blocks is None else min(ld.keep_blocks, bpc)
         return self.slot_bytes * max(0, keep - min(ld.skip_blocks, bpc)) // bpc
 
-    def _hold(self, key: bytes, source: str | None, slot: int) -> None:
+    def _hold(self, key: bytes, source: str | None, slot: int, tier: int = 0) -> None:
         if source is None:
-            self.index.pin([key])
+            self.tier_index(tier).pin([key])
         else:
             self._foreign_loads[key] = (source, slot)

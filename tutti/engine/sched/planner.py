@@ -22,12 +22,14 @@ from tutti.engine.sched.requests import (  # noqa: F401 - PROBE_UNDER_STEP: the 
     PROBE_UNDER_STEP, PlannerStats, RequestState, StoreTicket,
 )
 from tutti.engine.sched.steps import StepPlanning
+from tutti.engine.sched.tiers import WRITE_POLICIES, LowerTier, TierPlanning, TierStats
 
 log = logging.getLogger("tutti.engine")
 
 
-class Planner(HitPlanning, StepPlanning):
-    """The scheduler-side half of the engine: lookups (hits.py) and steps (steps.py) over one state."""
+class Planner(HitPlanning, StepPlanning, TierPlanning):
+    """The scheduler-side half of the engine: lookups (hits.py), steps (steps.py) and the copies
+    between tiers (tiers.py) over one state."""
 
     def __init__(self, *, num_slots: int, chunk_tokens: int, block_size: int, seed: bytes,
                  num_workers: int = 1, slot_bytes: int = 0, store_decode: bool = False,
@@ -35,13 +37,22 @@ class Planner(HitPlanning, StepPlanning):
                  state_groups: Sequence[int] = (), hit_policy: HitPolicy | None = None,
                  step_tokens: int = 8192, asynchronous: bool = False, eviction=None,
                  admission: AdmissionPolicy | None = None, attention_weight: float = 0.0,
-                 sync_budget: int | str | None = None, can_load_async: bool = False) -> None:
+                 sync_budget: int | str | None = None, can_load_async: bool = False,
+                 lower: Sequence[LowerTier] = (), write_policy: str = "through") -> None:
         if chunk_tokens % block_size:
             raise ValueError(
                 f"chunk_tokens={chunk_tokens}: must be a multiple of the KV cache's block_size={block_size}; "
                 f"try {max(1, round(chunk_tokens / block_size)) * block_size}"
             )
         self.index = ChunkIndex(num_slots, eviction)  # eviction: tutti.engine.sched.eviction (LRU when None)
+        # the tiers below this one (tutti.engine.sched.tiers), slowest last, and how chunks reach them
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy={write_policy!r}: expected one of {list(WRITE_POLICIES)}")
+        self.lower: list[LowerTier] = list(lower)
+        self.write_policy = write_policy
+        self.tier_stats = TierStats.new(1 + len(self.lower))
+        self._down: list[tuple[bytes, int]] = []  # committed in a tier, to be copied to the next one down
+        self._up: list[tuple[bytes, int]] = []  # loaded from a lower tier, to be promoted into tier 0
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size

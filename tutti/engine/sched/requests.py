@@ -63,8 +63,9 @@ class RequestState:
     finished: bool = False
     identity: Identity | None = None  # what besides token ids the KV depends on (extra keys)
     unkeyed: bool = False  # identity unknown: never stored, never served
-    hit_sources: list[tuple[str | None, int]] = field(default_factory=list)  # (writer or None, slot) per hit chunk
-    state_source: tuple[str | None, int] | None = None  # state groups: where the state at the hit's end is
+    # (writer or None, slot, tier) per hit chunk: another writer's slot, or our own in one of our tiers
+    hit_sources: list[tuple[str | None, int, int]] = field(default_factory=list)
+    state_source: tuple[str | None, int, int] | None = None  # state groups: where the state at the hit's end is
     async_load: bool = False  # vLLM waits for the worker to report its loads received
     stored_state_upto: int = 0  # state groups: chunks whose end state was planned (or loaded)
     computed: int = 0  # prompt tokens computed or loaded (or to be loaded): the rest is prefill backlog
@@ -83,3 +84,4 @@ class StoreTicket:
     req_id: str
     ok: int = 0  # workers that reported success
     state: bool = False  # a state entry (no vLLM block hashes to announce)
+    copy: tuple[int, int] | None = None  # a copy between tiers: (from, to) (tutti.engine.sched.tiers)

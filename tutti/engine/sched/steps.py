@@ -98,7 +98,9 @@ class StepPlanning:
         self.meter.on_scheduled(plan.step, sum(scheduled.values()), work=work)
         self._batch_ids = frozenset(scheduled)
         self._step_sync_bytes = 0  # the next step's lookups start a new budget
-        pins: list[bytes] = []
+        if self.lower:  # before this step's stores evict: tier 0's chunks on their way down stay
+            self._plan_copies(plan)
+        pins: list[tuple[int, bytes]] = []
         foreign_keys: list[bytes] = []
         want: list[tuple[RequestState, int]] = []
         for req_id, n_sched in scheduled.items():
@@ -108,7 +110,7 @@ class StepPlanning:
             if r.loads:
                 plan.loads.extend(r.loads)
                 self.meter.loads_in(plan.step, sum(self._load_bytes(ld) for ld in r.loads))
-                pins.extend(ld.key for ld in r.loads if ld.source is None)
+                pins.extend((ld.tier, ld.key) for ld in r.loads if ld.source is None)
                 foreign_keys.extend(ld.key for ld in r.loads if ld.source is not None)
                 r.loads = []
             done_tokens = computed_before.get(req_id, 0) + n_sched
@@ -141,7 +143,7 @@ class StepPlanning:
             res = self.index.plan_store(fresh)
             if res.evicted:
                 self.stats.evictions += len(res.evicted)
-                self._events.append(("removed", list(res.evicted)))
+                self._removed(0, list(res.evicted))
             self.stats.stores_declined += len(res.declined)
             for (r, c, st), key in zip(want, keys):
                 slot = res.slots.pop(key, None)
@@ -171,7 +173,7 @@ class StepPlanning:
             for r in waiting:
                 plan.async_loads.extend(r.loads)
                 r.loads = []
-            self._step_pins[plan.async_step] = [ld.key for ld in plan.async_loads if ld.source is None]
+            self._step_pins[plan.async_step] = [(ld.tier, ld.key) for ld in plan.async_loads if ld.source is None]
             self._step_foreign[plan.async_step] = [ld.key for ld in plan.async_loads if ld.source is not None]
             self._sent(plan.async_step, plan.async_loads)
         plan.preempted, self._preempted = self._preempted, []
@@ -216,9 +218,7 @@ class StepPlanning:
         r = self._reqs.get(req_id)
         if r is None:
             return
-        for ld in r.loads:
-            if ld.source is None:
-                self.index.unpin([ld.key])
+        self._unpin_loads(r.loads)
         self._drop_unsent(r.loads)
         r.loads = []
         r.computed = 0
@@ -234,11 +234,14 @@ class StepPlanning:
         if r is None:
             return False
         self._backlog -= r.in_backlog  # an aborted prompt no longer waits ahead of anyone
-        for ld in r.loads:  # planned but never sent (aborted before its step)
-            if ld.source is None:
-                self.index.unpin([ld.key])
+        self._unpin_loads(r.loads)  # planned but never sent (aborted before its step)
         self._drop_unsent(r.loads)
         return r.had_stores
+
+    def _unpin_loads(self, loads: Sequence[LoadChunk]) -> None:
+        for ld in loads:
+            if ld.source is None:
+                self.tier_index(ld.tier).unpin([ld.key])
 
     # -- reports --------------------------------------------------------------------------
     def on_report(self, report: WorkerReport) -> None:
@@ -258,6 +261,9 @@ class StepPlanning:
             self.meter.on_loads(report.probe_bytes // report.workers, report.probe_seconds / PROBE_UNDER_STEP)
         for t in report.store_failed:
             tk = self._tickets.pop(t, None)
+            if tk is not None and tk.copy is not None:
+                self._copy_done(tk, False)
+                continue
             if tk is not None and self.index.abort(tk.key):
                 s.stores_failed += 1
             r = self._reqs.get(tk.req_id) if tk is not None and not tk.state else None
@@ -271,7 +277,10 @@ class StepPlanning:
             tk.ok += 1  # vLLM's KVOutputAggregator concatenates every worker's report: one entry per rank
             if tk.ok >= self.num_writers:
                 del self._tickets[t]
-                ready.append(tk)
+                if tk.copy is not None:
+                    self._copy_done(tk, True)
+                else:
+                    ready.append(tk)
         # Committed tail first (a request's stores come in chunk order), then each request's whole
         # resident prefix touched tail first: its first chunks become the most recently used, so a
         # policy by recency evicts a prefix from its end, never the chunk every hit needs first.
@@ -279,13 +288,16 @@ class StepPlanning:
         for tk in ready:  # events in chunk order (a child's parent announced first)
             if id(tk) in committed:
                 s.stores_committed += 1
-                if not tk.state:
+                if not tk.state and not (self.lower and self.held_anywhere(tk.key, but=0)):
                     self._events.append(("stored", [tk.key]))
+                if self.lower:
+                    self._queue_down(tk.key, 0)
         for req_id in dict.fromkeys(tk.req_id for tk in ready if id(tk) in committed):
             r = self._reqs.get(req_id)
             if r is not None:
                 self.index.lookup_prefix(r.keys)
-        for key in set(report.load_failed):
+        failed = set(report.load_failed)
+        for key in failed:
             s.loads_failed += 1
             where = self._foreign_loads.pop(key, None)
             if where is not None and self.foreign is not None:
@@ -298,15 +310,20 @@ class StepPlanning:
             if n >= self.num_workers:
                 self._step_done_count.pop(step, None)
                 self._step_load_bytes.pop(step, None)
-                self.index.unpin(self._step_pins.pop(step, []))
+                pins = self._step_pins.pop(step, [])
+                for tier, key in pins:
+                    self.tier_index(tier).unpin([key])
+                    if tier and key not in failed:
+                        self._queue_up(key, tier)  # a hit from below: brought up into tier 0 (if admitted)
                 for key in self._step_foreign.pop(step, []):
                     self._foreign_loads.pop(key, None)
             else:
                 self._step_done_count[step] = n
-        for key in list(self._bad):
-            if not self.index.is_pinned(key):
+        for key in list(self._bad):  # not trusted in any tier
+            if not any(self.tier_index(t).is_pinned(key) for t in range(self.num_tiers)):
                 self._bad.discard(key)
-                if self.index.drop(key):
+                dropped = [self.tier_index(t).drop(key) for t in range(self.num_tiers)]
+                if any(dropped):
                     self._events.append(("removed", [key]))
 
     def take_events(self) -> list[tuple[str, list[bytes]]]:

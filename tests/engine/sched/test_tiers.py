@@ -1,0 +1,114 @@
+"""The planner's tiers (tutti.engine.sched.tiers): write-through copies down, hits served from the
+fastest tier holding a chunk, promotions back up, pins that keep a chunk until its copy is down,
+and events that say what a router may still find."""
+
+from tutti.engine.keys import namespace_seed
+from tutti.engine.plan import WorkerReport
+from tutti.engine.sched.index import ChunkIndex
+from tutti.engine.sched.planner import Planner
+from tutti.engine.sched.tiers import LowerTier
+
+T, BS = 64, 32  # chunk tokens, vLLM block size: 2 blocks a chunk
+
+
+def tiered(ram=2, disk=8, workers=1):
+    return Planner(num_slots=ram, chunk_tokens=T, block_size=BS, seed=namespace_seed("t"), num_workers=workers,
+                   slot_bytes=4096, lower=[LowerTier(ChunkIndex(disk), "disk")])
+
+
+def prefill(p, req, tokens, blocks):
+    p.match(req, tokens, 0)
+    p.on_alloc(req, blocks, 0)
+    p.update_request(req, tokens=tokens, all_block_ids=blocks)
+    return p.build_step({req: len(tokens)}, {req: 0})
+
+
+def stored(p, req, tokens, blocks):
+    """Prefill `tokens`, commit its stores, and run the write-downs that follows to the end."""
+    plan = prefill(p, req, tokens, blocks)
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    down = p.build_step({}, {})
+    p.on_report(WorkerReport(stored=[c.ticket for c in down.copies]))
+    return plan, down
+
+
+def test_a_committed_chunk_is_written_down_and_stays_pinned_until_its_copy_is_reported():
+    p = tiered(ram=2)
+    toks = list(range(129))  # 2 chunks
+    plan = prefill(p, "a", toks, [1, 2, 3, 4, 5])
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    assert p.stats.stores_committed == 2 and p.take_events() == [("stored", [k]) for k in
+                                                                 (plan.stores[0].key, plan.stores[1].key)]
+    down = p.build_step({}, {})
+    assert [(c.src, c.dst) for c in down.copies] == [(0, 1), (0, 1)]
+    assert [c.src_slot for c in down.copies] == [s.slot for s in plan.stores]
+    # while the copies are in flight, a new prompt cannot evict them from tier 0
+    other = prefill(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])
+    assert other.stores == [] and p.stats.stores_declined == 2
+    p.on_report(WorkerReport(stored=[c.ticket for c in down.copies]))
+    assert p.tier_stats.writedowns[1] == 2
+    assert all(k in p.lower[0].index for k in (c.key for c in down.copies))
+    assert p.take_events() == []  # written down: announced once, when tier 0 took them
+
+
+def test_a_chunk_tier_0_evicted_is_served_from_tier_1_then_promoted():
+    p = tiered(ram=2)
+    a = list(range(129))
+    first, _ = stored(p, "a", a, [1, 2, 3, 4, 5])
+    stored(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])  # evicts a's chunks from tier 0
+    assert all(s.key not in p.index for s in first.stores)
+    assert p.tier_stats.evictions[0] == 2 and p.take_events()[-1][0] == "stored"  # never "removed": tier 1 has them
+    n = p.match("c", a, 0)
+    assert n == 2 * T
+    p.on_alloc("c", [11, 12, 13, 14, 15], n)
+    plan = p.build_step({"c": 1}, {"c": 128})
+    assert [ld.tier for ld in plan.loads] == [1, 1] and p.tier_stats.hit_tokens[1] == 2 * T
+    assert all(p.lower[0].index.is_pinned(ld.key) for ld in plan.loads)
+    p.on_report(WorkerReport(steps_done=[plan.step]))
+    up = p.build_step({}, {})
+    assert [(c.src, c.dst) for c in up.copies] == [(1, 0), (1, 0)]
+    p.on_report(WorkerReport(stored=[c.ticket for c in up.copies]))
+    assert p.tier_stats.promotions == 2 and all(s.key in p.index for s in first.stores)
+    again = p.match("d", a, 0)
+    p.on_alloc("d", [16, 17, 18, 19, 20], again)
+    assert [ld.tier for ld in p.build_step({"d": 1}, {"d": 128}).loads] == [0, 0]
+
+
+def test_a_failed_load_from_below_is_not_promoted_and_is_dropped_from_every_tier():
+    p = tiered(ram=2)
+    a = list(range(129))
+    first, _ = stored(p, "a", a, [1, 2, 3, 4, 5])
+    stored(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])
+    n = p.match("c", a, 0)
+    p.on_alloc("c", [11, 12, 13, 14, 15], n)
+    plan = p.build_step({"c": 1}, {"c": 128})
+    bad = plan.loads[0].key
+    p.on_report(WorkerReport(steps_done=[plan.step], load_failed=[bad]))
+    assert bad not in p.lower[0].index and ("removed", [bad]) in p.take_events()
+    up = p.build_step({}, {})
+    assert [c.key for c in up.copies] == [plan.loads[1].key]
+
+
+def test_a_failed_copy_is_aborted_below_and_counted_as_dropped():
+    p = tiered(ram=4, workers=2)
+    plan = prefill(p, "a", list(range(129)), [1, 2, 3, 4, 5])
+    tickets = [s.ticket for s in plan.stores]
+    p.on_report(WorkerReport(stored=tickets + tickets))
+    down = p.build_step({}, {})
+    p.on_report(WorkerReport(stored=[down.copies[0].ticket], store_failed=[down.copies[1].ticket]))
+    p.on_report(WorkerReport(stored=[down.copies[0].ticket]))  # the second rank's
+    assert p.tier_stats.writedowns[1] == 1 and p.tier_stats.dropped == 1
+    assert p.lower[0].index.used_slots == 1 and not p.index.is_pinned(down.copies[1].key)
+    p.lower[0].index.check_invariants()
+
+
+def test_an_eviction_from_the_last_tier_holding_a_chunk_withdraws_it():
+    p = tiered(ram=1, disk=2)
+    chunks = []
+    for i in range(3):  # three one-chunk prompts: tier 1 holds two
+        plan, _ = stored(p, f"r{i}", list(range(100 * i, 100 * i + 65)), [1, 2, 3])
+        chunks.append(plan.stores[0].key)
+    events = p.take_events()
+    assert ("removed", [chunks[0]]) in events
+    assert chunks[1] not in p.index and chunks[1] in p.lower[0].index
+    assert not any(kind == "removed" and chunks[1] in keys for kind, keys in events)

@@ -1,0 +1,159 @@
+"""The tiers below the first (the `tiers` key): each with its own index (capacity, eviction
+policy), the write-downs that fill them and the promotions that bring a hit back up.
+
+Tier 0 is the planner's own `index`: the fastest (RAM), where every new chunk lands. With
+write_policy "through", a chunk committed in tier t is copied down to tier t + 1 by the worker's
+copier, off the forward thread (tutti.engine.worker.tiers); a chunk a hit loaded from a lower
+tier is copied up into tier 0 when tier 0's admission agrees (a promotion). The source of a copy
+is pinned until the copy is reported, so a tier-0 chunk is never evicted before its write-down
+is down: a chunk tier 0 evicts is in tier 1 already, or its write-down found no room there and
+was counted as dropped. A chunk is announced ("stored") when the first tier takes it and
+withdrawn ("removed") when the last tier gives it up.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tutti.engine.plan import CopyChunk, StepPlan
+from tutti.engine.sched.admission import AdmitAll, StoreCandidate
+from tutti.engine.sched.index import ChunkIndex
+from tutti.engine.sched.requests import StoreTicket
+
+log = logging.getLogger("tutti.engine")
+
+WRITE_POLICIES = ("through",)
+
+
+@dataclass
+class LowerTier:
+    """One tier below the first: its slots and the order it evicts them in."""
+
+    index: ChunkIndex
+    name: str = ""
+
+
+@dataclass
+class TierStats:
+    """Counters per tier (index: the tier), kept apart from PlannerStats' totals."""
+
+    hit_tokens: list[int]
+    evictions: list[int]
+    writedowns: list[int]  # copies committed into this tier from the one above
+    promotions: int = 0  # copies committed into tier 0 from a lower tier
+    dropped: int = 0  # write-downs that found no room below (the chunk left tier 0 unwritten)
+
+    @classmethod
+    def new(cls, n: int) -> "TierStats":
+        return cls([0] * n, [0] * n, [0] * n)
+
+    def copy(self) -> "TierStats":
+        return TierStats(list(self.hit_tokens), list(self.evictions), list(self.writedowns), self.promotions,
+                         self.dropped)
+
+
+class TierPlanning:
+    """Planner's tier half (a mixin over the state Planner.__init__ sets: `lower`, `write_policy`,
+    `tier_stats`, `_down`, `_up`, `_copy_pins`)."""
+
+    # -- where a chunk is -----------------------------------------------------------------
+    def tier_index(self, tier: int) -> ChunkIndex:
+        return self.index if tier == 0 else self.lower[tier - 1].index
+
+    @property
+    def num_tiers(self) -> int:
+        return 1 + len(self.lower)
+
+    def _in_lower(self, key: bytes, below: int = 0) -> tuple[int, int] | None:
+        """(tier, slot) of the first tier below `below` holding `key`, or None."""
+        for t, tier in enumerate(self.lower[below:], below + 1):
+            slot = tier.index.slot_of(key)
+            if slot is not None:
+                return t, slot
+        return None
+
+    def held_anywhere(self, key: bytes, but: int = -1) -> bool:
+        """Some tier other than `but` holds `key` (resident)."""
+        return any(key in self.tier_index(t) for t in range(self.num_tiers) if t != but)
+
+    def _removed(self, tier: int, keys: list[bytes]) -> None:
+        """`tier` evicted `keys`: counted, and withdrawn from routers where no other tier holds them."""
+        if not keys:
+            return
+        self.tier_stats.evictions[tier] += len(keys)
+        gone = [k for k in keys if not self.held_anywhere(k, but=tier)]
+        if gone:
+            self._events.append(("removed", gone))
+
+    # -- planning copies ------------------------------------------------------------------
+    def _queue_down(self, key: bytes, tier: int) -> None:
+        """`key` was committed in `tier`: copy it to the next tier down (write-through)."""
+        if tier < len(self.lower) and self.write_policy == "through":
+            self._down.append((key, tier))
+
+    def _queue_up(self, key: bytes, tier: int) -> None:
+        """A hit loaded `key` from lower tier `tier`: promote it into tier 0 (if admitted)."""
+        if tier > 0:
+            self._up.append((key, tier))
+
+    def _plan_copies(self, plan: StepPlan) -> None:
+        """The step's write-downs and promotions, planned before its stores evict anything."""
+        down, self._down = self._down, []
+        up, self._up = self._up, []
+        for key, src in dict.fromkeys(down):
+            self._plan_copy(plan, key, src, src + 1)
+        for key, src in dict.fromkeys(up):
+            if key in self.index or self.index.is_pending(key):
+                continue
+            if not isinstance(self.admission, AdmitAll) and not self._promote_admitted(key):
+                continue
+            self._plan_copy(plan, key, src, 0)
+
+    def _promote_admitted(self, key: bytes) -> bool:
+        cand = StoreCandidate(key=key, req_id="", chunk=0, prompt_chunks=1, state=False, resident=len(self.index),
+                              capacity=self.index.num_slots, first_key=key, counters=self.stats)
+        try:
+            return bool(self.admission.admit(cand))
+        except Exception:  # noqa: BLE001 - a research policy's bug costs its promotions, never the step
+            log.exception("tutti: store admission %r failed on a promotion; promoting", self.admission)
+            return True
+
+    def _plan_copy(self, plan: StepPlan, key: bytes, src: int, dst: int) -> None:
+        s_index, d_index = self.tier_index(src), self.tier_index(dst)
+        src_slot = s_index.slot_of(key)
+        if src_slot is None or key in d_index or d_index.is_pending(key):
+            return  # gone meanwhile (dropped as corrupt), or already there
+        res = d_index.plan_store([key])
+        if dst == 0:
+            self.stats.evictions += len(res.evicted)
+        self._removed(dst, list(res.evicted))
+        slot = res.slots.get(key)
+        if slot is None:  # every slot below is pinned or pending: the chunk is not written down
+            if dst > src:
+                self.tier_stats.dropped += 1
+            return
+        s_index.pin([key])
+        ticket = next(self._ticket_ids)
+        self._tickets[ticket] = StoreTicket(key, "", copy=(src, dst))
+        plan.copies.append(CopyChunk(key, src, src_slot, dst, slot, ticket))
+
+    # -- reports --------------------------------------------------------------------------
+    def _copy_done(self, tk: StoreTicket, ok: bool) -> None:
+        """A copy reported by every writer (ok) or failed by one: commit or abort it below, and
+        let its source go."""
+        src, dst = tk.copy
+        self.tier_index(src).unpin([tk.key])
+        d_index = self.tier_index(dst)
+        if not ok:
+            d_index.abort(tk.key)
+            if dst > src:
+                self.tier_stats.dropped += 1
+            return
+        if not d_index.commit(tk.key):
+            return
+        if dst > src:
+            self.tier_stats.writedowns[dst] += 1
+            self._queue_down(tk.key, dst)
+        else:
+            self.tier_stats.promotions += 1
