@@ -10,13 +10,21 @@ same run. `--sequential` starts each server only after the last one stopped.
 Cases: `none` (no connector), `none_gpu` (no connector, vLLM's GPU KV cache given `--capacity`
 instead of `--kv-cache-bytes`: every repeat is a prefix-cache hit of vLLM's own and nothing is
 loaded, the most any connector of that capacity could reach on the workload), `offloading`
-(vLLM's OffloadingConnector, a CPU tier of `--capacity`), `tutti_shm` (a /dev/shm root of the same capacity), `tutti_disk` (a disk root),
+(vLLM's OffloadingConnector, a CPU tier of `--capacity`), `tutti_shm` (a /dev/shm root of the same capacity), `tutti_disk` (a disk root
+of `--disk-capacity`), the hierarchies: `tier_fs` (vLLM's CPU tier of `--capacity` with its own `fs`
+tier on the disk behind it, TieringOffloadingSpec; the fs tier has no capacity and never evicts),
+`tier_tutti` (the same CPU tier with tutti's secondary tier of `--disk-capacity` behind it) and
+`tutti_tiered` (tutti's `tiers`: a /dev/shm tier of `--capacity` in front of a disk tier of
+`--disk-capacity`),
 and variants of `tutti_shm` that take one part away, each on a root of its own, to tell where a
 cost comes from (VARIANTS: `tutti_shm_stores_only`, `tutti_shm_noverify`, `tutti_shm_file`; each
 pins its own capacity, so run them with `--sequential` or a smaller `--capacity`).
-Workloads: `prefix_repetition` (vLLM's dataset: prefixes repeated in shuffled order) and
+Workloads: `prefix_repetition` (vLLM's dataset: prefixes repeated in shuffled order),
 `multi_turn` (conversations whose every turn repeats the whole last turn and adds to it; turns
-issued in order, all conversations' first turns, then their second...).
+issued in order, all conversations' first turns, then their second...), and `zipf` / `uniform`
+(`--num-prefixes` prefixes, `--num-prefixes x --repeats` prompts, each a prefix and a fresh suffix;
+the prefix drawn with Zipf-skewed popularity of exponent `--zipf-s`, or each prefix `--repeats`
+times, in a seeded shuffled order: a custom dataset for `vllm bench serve`).
 
 The model folder gets a generated word-level tokenizer whose words are short (vLLM refuses a
 prompt of more than about 6 characters a token before tokenizing it).
@@ -108,6 +116,27 @@ def prepare_model(a) -> str:
     return d
 
 
+def popularity_dataset(path: str, a) -> int:
+    """`--num-prefixes` prefixes of `--prefix-len` words; `--num-prefixes x --repeats` prompts,
+    each a prefix and `--suffix-len` fresh words. "uniform": every prefix `--repeats` times;
+    "zipf": prefix i drawn with weight 1 / (i + 1) ** --zipf-s. Seeded, shuffled."""
+    rng = random.Random(11)
+    words = [short_word(i) for i in range(10, a.vocab - 10)]
+    prefixes = [" ".join(rng.choice(words) for _ in range(a.prefix_len)) for _ in range(a.num_prefixes)]
+    n = a.num_prefixes * a.repeats
+    if a.workload == "uniform":
+        order = [i for i in range(a.num_prefixes) for _ in range(a.repeats)]
+        rng.shuffle(order)
+    else:
+        weights = [1.0 / (i + 1) ** a.zipf_s for i in range(a.num_prefixes)]
+        order = rng.choices(range(a.num_prefixes), weights=weights, k=n)
+    with open(path, "w") as f:
+        for i in order:
+            suffix = " ".join(rng.choice(words) for _ in range(a.suffix_len))
+            f.write(json.dumps({"prompt": prefixes[i] + " " + suffix, "output_tokens": a.output_len}) + "\n")
+    return n
+
+
 def multi_turn_dataset(path: str, a) -> int:
     """`--conversations` conversations of `--turns` turns; turn t repeats turn t-1 whole and adds
     `--turn-len` words (a user message after a stand-in for the model's answer)."""
@@ -151,6 +180,18 @@ VARIANTS: dict[str, dict] = {
 }
 
 
+TIERED = ("tier_fs", "tier_tutti", "tutti_tiered")
+
+
+def roots_of(case: str, a) -> list[str]:
+    """Every directory a case writes (removed before and after it)."""
+    if case == "tier_fs" or case == "tier_tutti":
+        return [f"{a.disk_root}-{case}"]
+    if case == "tutti_tiered":
+        return [f"{a.shm_root}-tiered", f"{a.disk_root}-tiered"]
+    return [root_of(case, a)] if case.startswith("tutti") else []
+
+
 def root_of(case: str, a) -> str:
     if case in ("tutti_disk", "tutti_shm"):
         return a.disk_root if case == "tutti_disk" else a.shm_root
@@ -165,11 +206,23 @@ def connector(case: str, a) -> dict | None:
     if case == "offloading":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": a.capacity_bytes}}
-    if case not in ("tutti_shm", "tutti_disk") and case not in VARIANTS:
-        raise SystemExit(f"--cases: {case!r}: expected none, none_gpu, offloading, tutti_shm, tutti_disk or one of "
-                         f"{sorted(VARIANTS)}")
-    extra = {"root": root_of(case, a), "capacity_bytes": a.capacity_bytes, "chunk_tokens": a.chunk_tokens,
-             **json.loads(a.tutti_extra), **VARIANTS.get(case, {})}
+    if case in ("tier_fs", "tier_tutti"):  # vLLM's CPU tier with a secondary tier on the disk
+        sec = ({"type": "fs", "root_dir": roots_of(case, a)[0]} if case == "tier_fs" else
+               {"type": "tutti", "root": roots_of(case, a)[0], "capacity_bytes": a.disk_capacity_bytes})
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+                                              "cpu_bytes_to_use": a.capacity_bytes, "secondary_tiers": [sec]}}
+    if case not in ("tutti_shm", "tutti_disk", "tutti_tiered") and case not in VARIANTS:
+        raise SystemExit(f"--cases: {case!r}: expected none, none_gpu, offloading, tutti_shm, tutti_disk, "
+                         f"{', '.join(TIERED)} or one of {sorted(VARIANTS)}")
+    if case == "tutti_tiered":
+        ram, disk = roots_of(case, a)
+        where = {"tiers": [{"root": ram, "capacity_bytes": a.capacity_bytes},
+                           {"root": disk, "capacity_bytes": a.disk_capacity_bytes}]}
+    else:
+        cap = a.disk_capacity_bytes if case.startswith("tutti_disk") else a.capacity_bytes
+        where = {"root": root_of(case, a), "capacity_bytes": cap}
+    extra = {**where, "chunk_tokens": a.chunk_tokens, **json.loads(a.tutti_extra), **VARIANTS.get(case, {})}
     return {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
@@ -298,15 +351,37 @@ def bench_cmd(a, model: str, result_dir: str, dataset: str | None, port: int) ->
                 str(a.num_prefixes), "--prefix-repetition-output-len", str(a.output_len),
                 "--num-prompts", str(a.num_prefixes * a.repeats)]
     else:
+        n = a.conversations * a.turns if a.workload == "multi_turn" else a.num_prefixes * a.repeats
         cmd += ["--dataset-name", "custom", "--dataset-path", dataset, "--disable-shuffle", "--skip-chat-template",
-                "--num-prompts", str(a.conversations * a.turns)]
+                "--num-prompts", str(n)]
     return cmd
+
+
+def plugin_site(out: str) -> str | None:
+    """A folder whose metadata declares tutti's vLLM plugin (`vllm.general_plugins`), for a
+    server where tutti is on PYTHONPATH but not installed (vLLM 0.26 finds the tier type "tutti"
+    only by the name the plugin registers); None where the installed distribution declares it."""
+    from importlib.metadata import entry_points
+
+    if any(ep.value.startswith("tutti.") for ep in entry_points(group="vllm.general_plugins")):
+        return None
+    site = os.path.join(os.path.abspath(out), "plugin_site")
+    info = os.path.join(site, "tutti_kv_bench-0.0.0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: tutti-kv-bench\nVersion: 0.0.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\ntutti = tutti.vllm.plugin:register\n")
+    return site
 
 
 def server_env(a) -> dict:
     env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
+    site = getattr(a, "plugin_site", None)
+    if site:  # tutti's vLLM plugin (the tier type "tutti") where tutti is not installed, only on the path
+        env["PYTHONPATH"] = os.pathsep.join([site, env["PYTHONPATH"]])
     if a.tiny:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
@@ -317,8 +392,8 @@ class Server:
 
     def __init__(self, case: str, a, model: str, port: int) -> None:
         self.case, self.port = case, port
-        if case.startswith("tutti"):
-            shutil.rmtree(root_of(case, a), ignore_errors=True)
+        for d in roots_of(case, a):
+            shutil.rmtree(d, ignore_errors=True)
         self.log_path = os.path.join(a.out, f"server_{case}.log")
         self.t0 = time.time()
         with open(self.log_path, "w") as log:
@@ -450,7 +525,7 @@ def check_host_memory(cases: list[str], a) -> None:
     """Servers that start together each hold --capacity of host memory (the OffloadingConnector
     pins it, a /dev/shm root maps it): refuse before starting any when it is not there, instead of
     engine cores killed mid-start (what leftover /dev/shm roots of another command did once)."""
-    held = [c for c in cases if c == "offloading" or c.startswith("tutti_shm")]
+    held = [c for c in cases if c in ("offloading", "tutti_tiered") + TIERED or c.startswith("tutti_shm")]
     need = a.capacity_bytes * (1 if a.sequential else len(held))
     have = host_memory_available()
     if held and have is not None and need > have:
@@ -463,11 +538,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="/tmp/serve_workload")
     ap.add_argument("--cases", default="none,offloading,tutti_shm,tutti_disk")
-    ap.add_argument("--workload", default="prefix_repetition", choices=["prefix_repetition", "multi_turn"])
+    ap.add_argument("--workload", default="prefix_repetition", choices=["prefix_repetition", "multi_turn", "zipf",
+                                                                         "uniform"])
+    ap.add_argument("--zipf-s", type=float, default=1.0, help="the zipf workload's exponent")
     ap.add_argument("--tiny", action="store_true", help="the CPU smoke run: a tiny seeded Llama, short prompts")
     ap.add_argument("--geometry", default="8b", choices=["8b", "70b"])
     ap.add_argument("--port", type=int, default=8100)
-    ap.add_argument("--capacity", default="32GiB", help="the store's and the CPU tier's capacity")
+    ap.add_argument("--capacity", default="32GiB", help="the RAM each case gets: the CPU tier's, a /dev/shm root's, "
+                    "the first tier's of tutti_tiered")
+    ap.add_argument("--disk-capacity", default="", help="a disk root's and a disk tier's capacity (default: --capacity)")
     ap.add_argument("--kv-cache-bytes", type=int, default=8 << 30, help="vLLM's GPU KV cache (--kv-cache-memory-bytes)")
     ap.add_argument("--shm-root", default="/dev/shm/tutti-serve")
     ap.add_argument("--disk-root", default="/tmp/tutti-serve-disk")
@@ -514,8 +593,9 @@ def main() -> None:
     from tutti.engine.config.settings import parse_bytes
 
     a.capacity_bytes = parse_bytes("capacity", a.capacity)
+    a.disk_capacity_bytes = parse_bytes("disk-capacity", a.disk_capacity) if a.disk_capacity else a.capacity_bytes
     a.vocab = 512 if a.tiny else 32000
-    if a.workload == "prefix_repetition":
+    if a.workload != "multi_turn":
         a.max_len = a.prefix_len + a.suffix_len + a.output_len + 64
     else:
         a.max_len = a.prefix_len + (a.turns - 1) * a.turn_len + a.output_len + 64
@@ -525,6 +605,10 @@ def main() -> None:
     if a.workload == "multi_turn":
         dataset = os.path.join(a.out, "multi_turn.jsonl")
         multi_turn_dataset(dataset, a)
+    elif a.workload in ("zipf", "uniform"):
+        dataset = os.path.join(a.out, f"{a.workload}.jsonl")
+        popularity_dataset(dataset, a)
+    a.plugin_site = plugin_site(a.out)
     cases = a.cases.split(",")
     check_host_memory(cases, a)
     results = []
@@ -544,8 +628,9 @@ def main() -> None:
             # a case's server and root go once its client is done: the later cases get the GPU's
             # memory back, and disk roots of several cases need not fit the disk together
             srv.stop()
-            if case.startswith("tutti") and not a.keep_roots:
-                shutil.rmtree(root_of(case, a), ignore_errors=True)
+            if not a.keep_roots:
+                for d in roots_of(case, a):
+                    shutil.rmtree(d, ignore_errors=True)
             r["server_log_tail"] = srv.log_tail()
             results.append(r)
             print("SERVE " + json.dumps({k: v for k, v in r.items() if k != "server_log_tail"}), flush=True)

@@ -48,11 +48,41 @@ def test_declined_tokens_are_kept_apart_by_reason():
 def test_variants_get_roots_of_their_own_and_their_keys():
     class A:
         shm_root, disk_root, capacity_bytes, chunk_tokens, tutti_extra = "/dev/shm/t", "/tmp/d", 1 << 30, 256, "{}"
+        disk_capacity_bytes = 4 << 30
 
     roots = {c: sw.connector(c, A)["kv_connector_extra_config"]["root"] for c in ["tutti_shm", "tutti_disk", *sw.VARIANTS]}
     assert len(set(roots.values())) == len(roots)  # servers started together never share a root
     assert sw.connector("tutti_shm_stores_only", A)["kv_connector_extra_config"]["hit_policy"] == "never"
     assert sw.connector("none", A) is None
+    every = [d for c in ["tutti_shm", "tutti_disk", *sw.VARIANTS, *sw.TIERED] for d in sw.roots_of(c, A)]
+    assert len(set(every)) == len(every)
+    # the hierarchies: the same RAM in front, the disk's capacity behind
+    tiers = sw.connector("tutti_tiered", A)["kv_connector_extra_config"]["tiers"]
+    assert [t["capacity_bytes"] for t in tiers] == [1 << 30, 4 << 30] and tiers[0]["root"].startswith("/dev/shm")
+    fs = sw.connector("tier_fs", A)["kv_connector_extra_config"]
+    assert fs["cpu_bytes_to_use"] == 1 << 30 and fs["secondary_tiers"][0]["type"] == "fs"
+    assert sw.connector("tier_tutti", A)["kv_connector_extra_config"]["secondary_tiers"][0]["capacity_bytes"] == 4 << 30
+    assert sw.connector("tutti_disk", A)["kv_connector_extra_config"]["capacity_bytes"] == 4 << 30
+
+
+@pytest.mark.parametrize("workload", ["zipf", "uniform"])
+def test_popularity_datasets_repeat_prefixes_as_asked(tmp_path, workload):
+    import collections
+    import json
+
+    class A:
+        num_prefixes, repeats, prefix_len, suffix_len, output_len, vocab, zipf_s = 20, 5, 50, 4, 8, 512, 1.0
+
+    A.workload = workload
+    path = tmp_path / "d.jsonl"
+    assert sw.popularity_dataset(str(path), A) == 100
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    counts = collections.Counter(" ".join(r["prompt"].split()[:50]) for r in rows)
+    assert len(rows) == 100 and len({r["prompt"] for r in rows}) == 100  # every suffix fresh
+    if workload == "uniform":
+        assert sorted(counts.values()) == [5] * 20
+    else:  # skewed: the most popular prefix far above the uniform share, the tail rarely drawn
+        assert counts.most_common(1)[0][1] >= 15 and len(counts) < 20
 
 
 def test_none_gpu_gives_vllms_own_cache_the_tiers_capacity_and_no_connector():
