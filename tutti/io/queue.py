@@ -18,6 +18,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from tutti.plugins import Registry
+
 READ = "read"
 WRITE = "write"
 
@@ -421,22 +423,18 @@ def submit_windowed(queue: IOQueue, requests: Sequence[IORequest], window: int |
     return futures, stalled
 
 
-_BACKENDS: dict[str, Callable[..., IOQueue]] = {}
-
-
 def register_backend(name: str) -> Callable[[Callable[..., IOQueue]], Callable[..., IOQueue]]:
     """Register an IO backend factory under `name` (used by config: `io_backend`)."""
 
     def deco(factory: Callable[..., IOQueue]) -> Callable[..., IOQueue]:
-        _BACKENDS[name] = factory
+        _BACKENDS.register(name, factory)
         return factory
 
     return deco
 
 
 def available_backends() -> list[str]:
-    _load_builtin_backends()
-    return sorted(_BACKENDS)
+    return _BACKENDS.names()
 
 
 def resolve_backend(backend: str) -> Callable[..., IOQueue]:
@@ -444,38 +442,42 @@ def resolve_backend(backend: str) -> Callable[..., IOQueue]:
     registered with @register_backend), or "package.module:attr" (an IOQueue subclass or a
     function returning one; importing the module may also register names). A name registered in a
     notebook exists only in that process: a server needs "package.module:attr"."""
-    _load_builtin_backends()
-    if backend in _BACKENDS:
-        return _BACKENDS[backend]
-    if isinstance(backend, str) and ":" in backend:
-        from tutti.plugins import import_spec
+    return _callable_factory(*_BACKENDS.resolve(backend), backend)
 
-        factory = import_spec(backend, "io_backend")
-        if not callable(factory):
-            raise ValueError(f"io_backend={backend!r}: {backend.partition(':')[2]!r} is not callable (give an "
-                             "IOQueue subclass or a function returning an IOQueue)")
-        return factory
-    raise ValueError(
-        f"io_backend={backend!r}: unknown backend; expected one of {['auto', *available_backends()]} or "
-        "'package.module:attr' (a name registered in a notebook does not exist in a server process)")
+
+def _callable_factory(factory: Callable[..., IOQueue], registered: bool, backend: str) -> Callable[..., IOQueue]:
+    """The IO backends' check: what "package.module:attr" names is called to open a queue."""
+    if not registered and not callable(factory):
+        raise ValueError(f"io_backend={backend!r}: {backend.partition(':')[2]!r} is not callable (give an "
+                         "IOQueue subclass or a function returning an IOQueue)")
+    return factory
 
 
 def open_queue(backend: str = "auto", **kwargs) -> IOQueue:
     """Open a queue: "auto" tries io_uring and falls back to threads; otherwise see
     resolve_backend. `kwargs` are the backend's own options (config: `io_options`)."""
-    _load_builtin_backends()
-    if backend == "auto":
-        backend = "uring" if "uring" in _BACKENDS else "threads"
-        try:
-            return _BACKENDS[backend](**kwargs)
-        except OSError as exc:
-            import warnings
+    return _BACKENDS.get(backend, **kwargs)
 
-            warnings.warn(f"tutti: io_uring refused ({exc}); falling back to the threads backend", stacklevel=2)
-            # Options only io_uring understands are named uring_*; the fallback drops them.
-            kwargs = {k: v for k, v in kwargs.items() if not k.startswith("uring_")}
-            return _BACKENDS["threads"](**kwargs)
-    factory = resolve_backend(backend)
+
+def _open_auto(**kwargs) -> IOQueue:
+    """The "auto" rule: io_uring where its module loads, else threads; threads again, with one
+    warning, when the kernel refuses io_uring."""
+    backend = "uring" if _BACKENDS.has("uring") else "threads"
+    try:
+        return _BACKENDS.entry(backend)(**kwargs)
+    except OSError as exc:
+        import warnings
+
+        # stacklevel: open_queue's caller (open_queue -> Registry.get -> here)
+        warnings.warn(f"tutti: io_uring refused ({exc}); falling back to the threads backend", stacklevel=4)
+        # Options only io_uring understands are named uring_*; the fallback drops them.
+        kwargs = {k: v for k, v in kwargs.items() if not k.startswith("uring_")}
+        return _BACKENDS.entry("threads")(**kwargs)
+
+
+def _open_named(factory: Callable[..., IOQueue], backend: str, registered: bool, /, **kwargs) -> IOQueue:
+    """A named backend's queue: its factory called with the options, checked to be an IOQueue."""
+    factory = _callable_factory(factory, registered, backend)
     try:
         q = factory(**kwargs)
     except TypeError as exc:  # an option the backend does not take
@@ -486,12 +488,13 @@ def open_queue(backend: str = "auto", **kwargs) -> IOQueue:
     return q
 
 
-def _load_builtin_backends() -> None:
-    # Imported lazily so that `tutti.io.queue` has no import-time dependency on any backend.
-    import importlib
-
-    for mod in ("tutti.io.threads", "tutti.io.uring", "tutti.io.nvme"):
-        try:
-            importlib.import_module(mod)
-        except ImportError:
-            pass
+#: The IO backends' share of the one registry (tutti.plugins). The built-ins are imported when
+#: first chosen or listed, so `tutti.io.queue` has no import-time dependency on any backend; one
+#: whose module does not import is absent. Importing a backend's module also registers its name.
+_BACKENDS = Registry(
+    "io_backend", "register_backend",
+    {"threads": "tutti.io.threads:ThreadQueue", "uring": "tutti.io.uring:UringQueue",
+     "nvme": "tutti.io.nvme:open_nvme_queue"},
+    ("caps", "submit"), fresh=True, optional=True, auto=_open_auto, make=_open_named, typed=False,
+    noun="backend", note="a name registered in a notebook does not exist in a server process",
+    doc="tutti.io.queue.IOQueue")

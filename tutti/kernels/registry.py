@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from tutti.plugins import import_spec
+from tutti.plugins import Registry
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,6 @@ class KernelVariant:
     gather: Callable
     scatter: Callable
     description: str = ""
-
-
-_REGISTRY: dict[str, KernelVariant] = {}
 
 
 def _first_device(caches) -> torch.device:
@@ -75,18 +72,16 @@ def _auto_variant() -> KernelVariant:
     return KernelVariant("auto", gather, scatter, "triton on CUDA tensors, torch on CPU")
 
 
-def _builtin(name: str) -> Optional[KernelVariant]:
-    if name == "torch":
-        from . import reference
+def _torch_variant() -> KernelVariant:
+    from . import reference
 
-        return KernelVariant("torch", reference.gather, reference.scatter, "plain torch indexing (reference)")
-    if name == "triton":
-        from . import triton_kernels
+    return KernelVariant("torch", reference.gather, reference.scatter, "plain torch indexing (reference)")
 
-        return KernelVariant("triton", triton_kernels.gather, triton_kernels.scatter, "one Triton launch per wave, all layers")
-    if name == "auto":
-        return _auto_variant()
-    return None
+
+def _triton_variant() -> KernelVariant:
+    from . import triton_kernels  # imports triton: only when chosen
+
+    return KernelVariant("triton", triton_kernels.gather, triton_kernels.scatter, "one Triton launch per wave, all layers")
 
 
 def _as_variant(obj: Any, name: str) -> KernelVariant:
@@ -107,6 +102,15 @@ def _as_variant(obj: Any, name: str) -> KernelVariant:
     return KernelVariant(name, g, s, desc)
 
 
+#: The kernel variants' share of the one registry (tutti.plugins): built-ins "torch" and
+#: "triton" (imported when first chosen), "auto" by its rule, then the registered names.
+_VARIANTS = Registry("variant", "register_variant", {"torch": _torch_variant, "triton": _triton_variant},
+                     ("gather", "scatter"), kind="kernel_variant", auto=_auto_variant,
+                     make=lambda obj, name, registered: _as_variant(obj, name), builtins_first=True, typed=False,
+                     doc="tutti.kernels.registry")
+_REGISTRY = _VARIANTS.registered  # the registered variants, by name
+
+
 def register_variant(name: str, *, gather: Optional[Callable] = None, scatter: Optional[Callable] = None, description: str = ""):
     """Register ``gather``/``scatter`` under ``name``; without them, return a decorator.
 
@@ -120,11 +124,11 @@ def register_variant(name: str, *, gather: Optional[Callable] = None, scatter: O
         if not callable(gather) or not callable(scatter):
             raise ValueError(f"register_variant({name!r}): pass both gather and scatter callables, or use it as a decorator")
         v = KernelVariant(name, gather, scatter, description)
-        _REGISTRY[name] = v
+        _VARIANTS.register(name, v)
         return v
 
     def decorate(obj):
-        _REGISTRY[name] = _as_variant(obj, name)
+        _VARIANTS.register(name, _as_variant(obj, name))
         return obj
 
     return decorate
@@ -136,15 +140,8 @@ def get_variant(name) -> KernelVariant:
         return name
     if not isinstance(name, str):
         raise ValueError(f"variant={name!r}: expected a name (str) or a KernelVariant")
-    v = _builtin(name)
-    if v is not None:
-        return v
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if ":" in name:
-        return _as_variant(import_spec(name, "variant"), name)
-    raise ValueError(f"variant={name!r}: unknown; expected one of {available_variants()} or 'package.module:attr'")
+    return _VARIANTS.get(name)
 
 
 def available_variants() -> list[str]:
-    return ["auto", "torch", "triton", *sorted(_REGISTRY)]
+    return _VARIANTS.choices()

@@ -17,7 +17,7 @@ from typing import Any, Callable, Protocol
 
 from tutti.io.safefs import Access, check_fd, open_file
 from tutti.store.namespace import exists
-from tutti.plugins import PolicyRegistry
+from tutti.plugins import Registry
 
 OpenHook = Callable[[str, bool, int], int]  # (name, writer, dir_fd) -> fd: the IO backend's open
 
@@ -87,8 +87,8 @@ def has_hole(fd: int, start: int, end: int) -> bool:
         return True  # no SEEK_HOLE support: assume the worst and write the zeros
 
 
-_REGISTRY = PolicyRegistry("medium", "register_medium", {"file": FileMedium}, ("open_slab", "sync", "reserve"),
-                           fresh=True, doc="tutti.store.medium.Medium")
+_REGISTRY = Registry("medium", "register_medium", {"file": FileMedium}, ("open_slab", "sync", "reserve"),
+                     fresh=True, doc="tutti.store.medium.Medium")
 #: (name, class or factory taking the IO backend's open): choosable as the `medium` key's value
 register_medium = _REGISTRY.register
 available_media = _REGISTRY.names
@@ -102,6 +102,4 @@ def get_medium(spec: Any, open_hook: OpenHook | None = None) -> Medium:
 
 def check_medium(spec: Any) -> None:
     """`spec` names a medium (checked before any IO; ValueError naming the key otherwise)."""
-    from tutti.plugins import resolve_name
-
-    resolve_name(spec, "medium", {n: None for n in _REGISTRY.names()})
+    _REGISTRY.resolve(spec)

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from tutti.plugins import PolicyRegistry
+from tutti.plugins import Registry
 
 
 @dataclass(frozen=True)
@@ -142,9 +142,9 @@ class DriveShare:
         return ok
 
 
-_REGISTRY = PolicyRegistry("store_admission", "register_admission",
-                           {"all": AdmitAll, "seen_twice": SeenTwice, "drive_share": DriveShare},
-                           ("admit",), doc="tutti.engine.sched.admission")
+_REGISTRY = Registry("store_admission", "register_admission",
+                     {"all": AdmitAll, "seen_twice": SeenTwice, "drive_share": DriveShare},
+                     ("admit",), doc="tutti.engine.sched.admission")
 register_admission = _REGISTRY.register  # (name, class or no-argument factory): choosable as store_admission
 available_admissions = _REGISTRY.names
 get_admission = _REGISTRY.get  # a new policy from a name or module:attr; an object with admit passes through

@@ -22,7 +22,7 @@ import heapq
 from collections import OrderedDict
 from typing import Iterable, Protocol
 
-from tutti.plugins import PolicyRegistry
+from tutti.plugins import Registry
 
 
 class EvictionPolicy(Protocol):
@@ -171,8 +171,8 @@ class LFUDA:
         yield from sorted((k for k in self._prio if k != top), key=self._prio.__getitem__)
 
 
-_REGISTRY = PolicyRegistry("eviction_policy", "register_eviction", {"lru": LRU, "fifo": FIFO, "lfuda": LFUDA},
-                           ("inserted", "touched", "removed", "order"), fresh=True, doc="tutti.engine.sched.eviction")
+_REGISTRY = Registry("eviction_policy", "register_eviction", {"lru": LRU, "fifo": FIFO, "lfuda": LFUDA},
+                     ("inserted", "touched", "removed", "order"), fresh=True, doc="tutti.engine.sched.eviction")
 register_eviction = _REGISTRY.register  # (name, class or no-argument factory): choosable as eviction_policy
 available_evictions = _REGISTRY.names
 get_eviction = _REGISTRY.get  # a new policy object each time: each index needs its own order

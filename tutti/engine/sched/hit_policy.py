@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tutti.plugins import PolicyRegistry
+from tutti.plugins import Registry
 
 
 @dataclass(frozen=True)
@@ -377,8 +377,8 @@ class RateMeter:
         return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else None
 
 
-_REGISTRY = PolicyRegistry("hit_policy", "register_policy", {"auto": CostModel, "always": Always, "never": Never},
-                           ("decide",), doc="tutti.engine.sched.hit_policy")
+_REGISTRY = Registry("hit_policy", "register_policy", {"auto": CostModel, "always": Always, "never": Never},
+                     ("decide",), doc="tutti.engine.sched.hit_policy")
 register_policy = _REGISTRY.register  # (name, class or no-argument factory): choosable as hit_policy
 available_policies = _REGISTRY.names
 get_policy = _REGISTRY.get  # a registered name, "package.module:attr", or an object with decide (passed through)
