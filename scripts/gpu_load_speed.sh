@@ -10,6 +10,7 @@ unset TRITON_INTERPRET
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/worker/test_pipeline.py \
+  tests/engine/worker/test_stores.py tests/engine/worker/test_async_loads.py tests/engine/worker/loads \
   tests/kernels/test_gather_scatter.py tests/kernels/test_checksum.py -k "cuda or grid_cap or quick or checksum" -x > "$OUT/tests.txt" 2>&1; echo "tests rc=$?"
 tail -3 "$OUT/tests.txt"
 timeout 220 python3 bench/kernel_sweep.py --out "$OUT/kernel_sweep.json" > "$OUT/kernel_sweep.txt" 2>&1; echo "sweep rc=$?"

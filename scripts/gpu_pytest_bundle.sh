@@ -3,7 +3,7 @@
 # network can run the CUDA cases of the unit tests from a copy of this checkout:
 #   bash scripts/gpu_pytest_bundle.sh        # here; then, on the GPU machine:
 #   unset TRITON_INTERPRET; PYTHONPATH=$PWD/.gpu_pytest:$PYTHONPATH \
-#       python3 -m pytest -q -x tests/engine/worker/test_pipeline.py -k cuda
+#       python3 -m pytest -q -x tests/engine/worker -k cuda
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sp=$(python3 -c "import os, pytest; print(os.path.dirname(os.path.dirname(pytest.__file__)))")

@@ -1,4 +1,4 @@
-"""The engine's tests share the worker tests' small geometry and helpers (worker/test_pipeline.py):
+"""The engine's tests share the worker tests' small geometry and helpers (worker/worker_helpers.py):
 their folder goes on the path for the tests beside and under this one."""
 
 import sys

@@ -14,7 +14,7 @@ import torch
 from tutti.engine.build import build_planner, build_worker
 from tutti.store.chunk_store import StoreLockedError, list_writers
 
-from test_pipeline import B, L, T, geometry, make_caches, run_step, views
+from worker_helpers import B, L, T, geometry, make_caches, run_step, views
 from tutti.kernels import PagedLayout
 
 BPC = 2  # blocks per chunk (T tokens, N per block)

@@ -193,10 +193,10 @@ ROUND_TWO = [
     "files whose every byte is checked against its keyed tag | "
     "tests/store/test_store_sharing.py::test_a_member_cannot_lock_replace_or_write_a_named_writers_directory |",
     "| 3 | mapped loads with a secret checked one read and copied another | fixed: no mapped loads with a secret "
-    "(the file path verifies the staged copy the GPU receives) | tests/engine/worker/test_pipeline.py::test_a_secret_turns_mapped_loads_off |",
+    "(the file path verifies the staged copy the GPU receives) | tests/engine/worker/loads/test_mapped.py::test_a_secret_turns_mapped_loads_off |",
     "| 4 | SIGBUS: a slab truncated under its mapping | fixed for our own slabs (fstat before every mapped view: "
     "the file path fails the chunk); other writers' and readers' slabs are no longer mapped at all | "
-    "tests/engine/worker/test_pipeline.py::test_a_mapped_slab_that_shrank_is_never_touched |",
+    "tests/engine/worker/loads/test_mapped.py::test_a_mapped_slab_that_shrank_is_never_touched |",
     "| 5 | a refused foreign journal raised out of `start_step` | fixed: per-writer failures in the step's refresh "
     "fail that writer's chunks | tests/engine/test_sharing.py (the `journal hard link` case) |",
     "| 6 | the tier's namespace misses the weights' identity, CP sizes, layer names, layout | fixed: the weights' "

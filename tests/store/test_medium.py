@@ -41,7 +41,8 @@ def test_a_store_over_a_memory_medium_round_trips_and_writes_no_slab_file(tmp_pa
 
 
 def test_a_worker_stores_and_loads_bit_exact_through_a_medium_named_in_the_config(tmp_path):
-    from test_pipeline import StepPlan, StoreChunk, LoadChunk, make_caches, run_step, worker
+    from tutti.engine.plan import LoadChunk, StepPlan, StoreChunk
+    from worker_helpers import make_caches, run_step, worker
 
     src, dst = make_caches(0), make_caches(1)
     w = worker(tmp_path, src, medium="tests.store.memory_medium:MemoryMedium")

@@ -119,7 +119,7 @@ def test_auto_staging_takes_every_store_of_back_to_back_full_steps(tiny_model, t
     """Staging left "auto" is sized from the geometry and vLLM's step budget (two steps of
     stores): six prompts of 1000 tokens submitted at once fill six full steps of 1024 tokens
     (16 chunks each) back to back, and every chunk is stored, none skipped. (The staging-full
-    path that skips and counts is tests/engine/worker/test_pipeline.py's; here the defaults must hold.)"""
+    path that skips and counts is tests/engine/worker/test_stores.py's; here the defaults must hold.)"""
     prompts = [prompt(60 + i, 1000) for i in range(6)]
     res, stats = child_run(tiny_model, kv_config(tmp_path / "kv"), prompts, max_tokens=2)
     assert stats["stores_skipped"] == 0 and stats["stores_failed"] == 0

@@ -56,7 +56,7 @@ def test_a_pinned_chunk_is_never_evicted_whatever_the_order_says():
 
 
 def test_policies_from_the_config_reach_the_planner(tmp_path, monkeypatch):
-    from test_pipeline import geometry
+    from worker_helpers import geometry
 
     from tutti.engine.build import build_planner
 

@@ -9,7 +9,7 @@ import torch
 from tutti.engine.config.settings import EngineConfig
 from tutti.engine.plan import LoadChunk, StepPlan
 
-from test_pipeline import make_caches, run_step, store_chunks, worker
+from worker_helpers import make_caches, run_step, store_chunks, worker
 
 
 @pytest.mark.parametrize("backend,options,label", [

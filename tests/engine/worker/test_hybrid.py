@@ -15,7 +15,7 @@ from tutti.engine.sched.planner import Planner
 from tutti.engine.build import build_worker
 from tutti.kernels import PagedLayout
 
-from test_pipeline import B, L, config, geometry, make_caches, run_step, views
+from worker_helpers import B, L, config, geometry, make_caches, run_step, views
 
 GROUPS = "0:sw64,1:full,0:sw64"  # layers 0 and 2 in a sliding-window group, layer 1 full attention
 
@@ -91,7 +91,7 @@ def store_two_chunks(root):
 def test_a_sliding_window_layer_reads_only_the_chunks_inside_its_window(tmp_path):
     """Two chunks hit; the sliding-window group holds only the second one's blocks: its layers read
     one segment each, the full-attention layer both (4 reads, not 6)."""
-    from test_pipeline import RecordingQueue
+    from worker_helpers import RecordingQueue
 
     src = store_two_chunks(tmp_path)
     dst = make_caches(1)
