@@ -48,12 +48,19 @@ def with_integrity(geom: Geometry, mac) -> Geometry:
     return geom if mac is None else dataclasses.replace(geom, integrity=mac.name)
 
 
+def with_codec(geom: Geometry, cfg: EngineConfig) -> Geometry:
+    """`geom` with its segments stored through cfg.codec (tutti.codec): unchanged for "identity"."""
+    from tutti.codec import get_codec
+
+    return geom.with_codec(get_codec(cfg.codec))
+
+
 def check_capacity(cfg: EngineConfig, geom: Geometry) -> int:
     num_slots = cfg.capacity_bytes // geom.slot_bytes
     if num_slots < 1:
         raise ConfigError(
             f"capacity_bytes={cfg.capacity_bytes}: smaller than one chunk "
-            f"({geom.slot_bytes} B = {geom.num_layers} layers x {geom.segment_bytes} B segments); "
+            f"({geom.slot_bytes} B = {geom.num_layers} layers x {geom.stored_segment_bytes} B segments); "
             f"expected at least {geom.slot_bytes}"
         )
     return num_slots
@@ -65,6 +72,7 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
     Both halves call it first: the worker is built before the scheduler, so a check left to the
     planner would only fire after the worker had already created the store on disk.
     """
+    geom = with_codec(geom, cfg)  # a codec's stride sizes the slots
     if geom.chunk_tokens % geom.block_size:
         raise ConfigError(
             f"chunk_tokens={geom.chunk_tokens}: must be a multiple of the KV cache's "
@@ -80,12 +88,12 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
             f"staging_bytes to at least {geom.segment_bytes * cfg.staging_slots} or lower chunk_tokens"
         )
     arena = cfg.max_inflight_stores * cfg.staging_slot_bytes
-    if arena < geom.slot_bytes:
+    if arena < geom.chunk_bytes:  # a store region holds a chunk's raw segments
         raise ConfigError(
             f"max_inflight_stores={cfg.max_inflight_stores}: stores may hold {arena} B of "
             f"staging (max_inflight_stores x {cfg.staging_slot_bytes} B slots), less than one chunk "
-            f"({geom.slot_bytes} B = {geom.num_layers} layers x {geom.segment_bytes} B); raise staging_bytes to at "
-            f"least {-(-geom.slot_bytes // cfg.max_inflight_stores) * cfg.staging_slots} or max_inflight_stores, "
+            f"({geom.chunk_bytes} B = {geom.num_layers} layers x {geom.segment_bytes} B); raise staging_bytes to at "
+            f"least {-(-geom.chunk_bytes // cfg.max_inflight_stores) * cfg.staging_slots} or max_inflight_stores, "
             "or lower chunk_tokens"
         )
     return num_slots
@@ -114,7 +122,7 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
         cfg = dataclasses.replace(cfg, writer_id=took or "")
     num_slots = check_geometry(cfg, geom)
     mac = segment_mac(cfg) if mac is READ_SECRET else mac  # the connector read it once for its half
-    geom = with_integrity(geom, mac)
+    geom = with_codec(with_integrity(geom, mac), cfg)
     planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
                       seed=geom.seed() if mac is None else mac.seed(geom.seed()), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
                       store_decode=cfg.store_decode, num_writers=geom.num_writers,
@@ -261,14 +269,17 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
     layer-wise, and hits past the step's byte budget asynchronously (a quarter of the load slots);
     None: only where the config says true ("auto" is the connector's to resolve, from what vLLM runs).
     `step_tokens`: vLLM's token budget of a step, which "auto" staging is sized for."""
+    from tutti.codec import get_codec, is_identity
     from tutti.io.queue import open_queue
     from tutti.kernels import get_variant, segment_checksum
 
     cfg = EngineConfig.of(raw_config, rank=rank).sized_staging(
-        segment_bytes=geom.segment_bytes, chunk_bytes=geom.slot_bytes, step_tokens=step_tokens)
+        segment_bytes=geom.segment_bytes, chunk_bytes=geom.chunk_bytes, step_tokens=step_tokens)
     check_geometry(cfg, geom)
     mac = segment_mac(cfg) if mac is READ_SECRET else mac  # the secret is read once per half, before any IO
-    geom = with_integrity(geom, mac)
+    codec = get_codec(cfg.codec)  # how segments are stored (tutti.codec): its name and stride join the namespace
+    geom = with_integrity(geom, mac).with_codec(codec)
+    codec = None if is_identity(codec) else codec
     if mac is not None:  # tags right for this rank's namespace only (tests/engine/worker/test_pipeline.py::test_keyed_tags_bind_the_rank)
         mac = mac.bound(geom.fingerprint().digest())
     if layout.num_heads != geom.num_heads or layout.content_bytes != geom.content_bytes:
@@ -285,7 +296,7 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
         "write_window_bytes", resolve.write_window_bytes(cfg.write_window_bytes, on_ram=on_ram)))
     access = store_access(cfg)
     maps = decided.take("mapped_loads", resolve.mapped_loads(cfg.mapped_loads, on_ram=on_ram, shared=access.shared,
-                                                            secret=mac is not None))
+                                                            secret=mac is not None, codec=codec is not None))
     open_file = lambda name, w, dir_fd: q.open_file(name, write=w, create=w, dir_fd=dir_fd)  # noqa: E731
     from tutti.store.medium import get_medium
 
@@ -317,7 +328,7 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
                               chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block,
                               writes=geom.writes, mac=mac, foreign=foreign, group_of_layer=geom.group_of_layer,
                               async_loads=cfg.async_loads is True if async_loads is None else async_loads,
-                              decisions=decided)
+                              decisions=decided, codec=codec, stored_segment_bytes=geom.stored_segment_bytes)
     except Exception:
         store.close()
         q.close()

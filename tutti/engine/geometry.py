@@ -37,6 +37,11 @@ class Geometry:
     # way; the groups say which block list each layer's blocks come from, and are part of the
     # namespace.
     groups: str = ""
+    # How a segment's bytes are stored (tutti.codec): "identity" (as they are) or a codec's name, part
+    # of the namespace when not "identity"; `stored_segment`: a layer's stride in a slot under it
+    # (0: segment_bytes). Set together by with_codec.
+    codec: str = "identity"
+    stored_segment: int = 0
 
     def _layer_groups(self) -> list[tuple[int, str]]:
         """(group, kind) of each layer, in layer order; [] for one group."""
@@ -83,8 +88,34 @@ class Geometry:
         return _segment_bytes(self.chunk_tokens, self.num_heads * self.content_bytes)
 
     @property
+    def stored_segment_bytes(self) -> int:
+        """A layer's stride in a chunk's slot: the segment, or what the codec may encode it into."""
+        return self.stored_segment or self.segment_bytes
+
+    @property
     def slot_bytes(self) -> int:
+        """A chunk's slot in the store (every layer's stored segment)."""
+        return _slot_bytes(self.num_layers, self.stored_segment_bytes)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """A chunk's raw segments, every layer (a store's staging region): slot_bytes without a codec."""
         return _slot_bytes(self.num_layers, self.segment_bytes)
+
+    def with_codec(self, codec) -> "Geometry":
+        """This geometry with its segments stored through `codec` (tutti.codec): unchanged for
+        "identity"; else its name joins the fingerprint and a layer's stride becomes the codec's
+        max_encoded_bytes(segment_bytes), 4 KiB aligned (derived once, here)."""
+        from tutti.codec import encoded_stride, is_identity
+
+        if is_identity(codec):
+            if self.codec != "identity":
+                raise ValueError(f"codec: this geometry's segments are stored with {self.codec!r}, not 'identity'")
+            return self
+        stride = encoded_stride(codec, self.segment_bytes)
+        if self.codec == codec.name and self.stored_segment == stride:
+            return self
+        return Geometry(**{**vars(self), "codec": codec.name, "stored_segment": stride})
 
     @property
     def num_workers(self) -> int:
@@ -94,13 +125,13 @@ class Geometry:
         return Geometry(**{**vars(self), "tp_rank": tp_rank, "pp_rank": pp_rank})
 
     def fingerprint(self):
-        from tutti.store.fingerprint import Fingerprint
+        from tutti.store.fingerprint import Fingerprint, codec_extra
         return Fingerprint(
             model=self.model, cache_dtype=self.cache_dtype, format_version=FORMAT_VERSION,
             chunk_tokens=self.chunk_tokens, num_layers=self.num_layers, num_heads=self.num_heads,
-            content_bytes=self.content_bytes, segment_bytes=self.segment_bytes,
+            content_bytes=self.content_bytes, segment_bytes=self.stored_segment_bytes,
             tp_rank=self.store_tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
-            extra=self._extra(),
+            extra=self._extra() + codec_extra(self.codec),
         )
 
     def _extra(self) -> tuple[tuple[str, str], ...]:
@@ -122,6 +153,7 @@ class Geometry:
         return tuple(out)
 
     def seed(self) -> bytes:
-        """Key seed: shared by all ranks (a chunk's key does not depend on the rank)."""
+        """Key seed: shared by all ranks (a chunk's key does not depend on the rank), nor on the
+        codec (what a chunk holds is the same KV; the fingerprint keeps the encodings apart)."""
         return namespace_seed(self.model, self.cache_dtype, FORMAT_VERSION, self.chunk_tokens,
                               self.num_layers * self.pp_size, self.tp_size, self.pp_size, self._extra())

@@ -4,6 +4,10 @@ Two processes may only share chunks when every field here agrees: the same model
 the same cache dtype, the same token/layer/head geometry and the same slice of the model
 (tensor/pipeline rank). The store puts each fingerprint in its own directory, named by
 `digest()`, so a chunk written under one layout can never be read back under another.
+
+How a segment's bytes are stored (a codec, tutti.codec) is part of it too: a codec other than
+"identity" is the `extra` entry ("codec", its name) and `segment_bytes` is then its stride. Identity
+is the entry's absence, so every namespace written before codecs existed keeps its digest.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from typing import Any, Mapping
 
 #: Segments are moved with direct IO, so each one must be a whole number of 4 KiB blocks.
 from tutti.format import SEGMENT_ALIGN  # noqa: E402
+
+CODEC_KEY = "codec"  # the `extra` entry naming the codec of a namespace's segments
+IDENTITY_CODEC = "identity"  # tutti.codec.IDENTITY: never an entry (see codec_extra)
 
 _DTYPE_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _INT_FIELDS = (
@@ -87,6 +94,16 @@ class Fingerprint:
                     f"Fingerprint.{rank}={getattr(self, rank)}: expected 0 <= {rank} < {size}={getattr(self, size)}"
                 )
         object.__setattr__(self, "extra", _normalize_extra(self.extra))
+        if dict(self.extra).get(CODEC_KEY) in ("", IDENTITY_CODEC):
+            raise ValueError(
+                f"Fingerprint.extra: {CODEC_KEY}={dict(self.extra)[CODEC_KEY]!r}: segments stored as they are have "
+                f"no {CODEC_KEY!r} entry (so namespaces written before codecs keep their digest); leave it out"
+            )
+
+    @property
+    def codec(self) -> str:
+        """The codec the namespace's segments are stored with ("identity": as they are)."""
+        return dict(self.extra).get(CODEC_KEY, IDENTITY_CODEC)
 
     # -- identity --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -116,6 +133,15 @@ class Fingerprint:
     def digest(self) -> str:
         """First 16 hex digits of sha256(canonical JSON): the namespace's directory name."""
         return hashlib.sha256(self.canonical_json().encode("ascii")).hexdigest()[:16]
+
+
+def codec_extra(name: str) -> tuple[tuple[str, str], ...]:
+    """The `extra` entries naming codec `name`: none for "identity" (every existing namespace keeps
+    its fingerprint), ((CODEC_KEY, name),) otherwise (a store written with one codec is never read
+    with another)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"codec name {name!r}: expected a non-empty string")
+    return () if name == IDENTITY_CODEC else ((CODEC_KEY, name),)
 
 
 def _normalize_extra(extra: Any) -> tuple[tuple[str, str], ...]:

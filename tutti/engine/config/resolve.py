@@ -74,11 +74,16 @@ def write_window_bytes(value: Any, *, on_ram: bool) -> Choice:
     return Choice(None, "RAM root") if on_ram else Choice(DEFAULT_WRITE_WINDOW, "a drive")
 
 
-def mapped_loads(value: Any, *, on_ram: bool, shared: bool, secret: bool) -> Choice:
+def mapped_loads(value: Any, *, on_ram: bool, shared: bool, secret: bool, codec: bool = False) -> Choice:
     """Never with a secret: a keyed tag checked on the host over the mapping and a DMA that copies
     the mapping later read the bytes twice, and an owner's rewrite in between would be served
-    unverified; the file path checks the staged copy that then goes to the GPU. "auto": private
-    RAM roots only (a mapping of a file someone else truncates faults)."""
+    unverified; the file path checks the staged copy that then goes to the GPU. Never with a codec
+    (other than "identity"): a mapped load copies the stored bytes to the device with no step that
+    decodes them, and the writer maps its slabs only where loads do, so the mapped store path is off
+    too (true is refused by the config). "auto": private RAM roots only (a mapping of a file someone
+    else truncates faults)."""
+    if codec:
+        return Choice(False, "a codec: loads read and decode on the host") if value is not False else _given(False)
     if secret:
         return Choice(False, "a secret: loads verify the staged copy") if value is not False else _given(False)
     if value == "auto":

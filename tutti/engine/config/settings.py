@@ -74,6 +74,7 @@ class EngineConfig:
     writer_id: str = "auto"  # "auto": found at start-up (tutti.engine.claims); '' = the namespace's only writer
     follow_interval_s: float = 0.25
     medium: str = "file"
+    codec: str = "identity"  # how a segment's bytes are stored (tutti.codec); not "identity": a namespace of its own
     extra: Mapping[str, Any] = field(default_factory=dict)
     # the roots as given, before `{rank}` was expanded: for_rank() expands them again
     root_templates: tuple[str, ...] = field(default=(), compare=False, repr=False)

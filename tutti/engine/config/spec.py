@@ -144,6 +144,13 @@ def medium(name: str, v: Any) -> str:
     return _resolves(check_medium, v)
 
 
+def codec(name: str, v: Any) -> str:
+    """A codec that resolves (tutti.codec), checked before any IO."""
+    from tutti.codec import check_codec
+
+    return _resolves(check_codec, v)
+
+
 def io_options(name: str, v: Any) -> dict:
     if not isinstance(v, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in v):
         raise ConfigError(f"{name}={v!r}: expected a mapping of the backend's keyword options, e.g. {{\"workers\": 8}}")
@@ -177,6 +184,10 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("medium", "tuning", "\"file\", a registered name or \"package.module:attr\"",
         "Where slab bytes live: slab files on the root (\"file\"), or another medium (tutti.store.medium); the "
         "namespace, lock and journal stay on the root.", "file", medium),
+    Key("codec", "tuning", "\"identity\", a registered name or \"package.module:attr\"",
+        "How a segment's bytes are stored: as they are (\"identity\") or encoded by a codec (tutti.codec), whose "
+        "name makes the namespace its own; loads then read through the file path (no mapped loads).", "identity",
+        codec),
     Key("io_backend", "tuning", "\"auto\", \"uring\", \"threads\", \"nvme\", a registered name or "
         "\"package.module:attr\"", "How reads and writes reach the storage; \"auto\": the thread pool on RAM "
         "roots, io_uring elsewhere.", "uring", io_backend),
@@ -338,6 +349,21 @@ def staging_values(raw: dict) -> dict[str, Any]:
 
 def check_combinations(kw: Mapping[str, Any]) -> None:
     """What no single key's parser can see."""
+    if kw.get("codec") not in (None, "identity"):
+        from tutti.codec import get_codec, is_identity
+
+        if not is_identity(get_codec(kw["codec"])):
+            # the paths that copy stored bytes to the device with no host step to decode them
+            if kw.get("mapped_loads") is True:
+                raise ConfigError(
+                    f"mapped_loads=True: refused with codec={kw['codec']!r}: a load from a mapped slab copies the "
+                    "stored bytes straight to the device, with no step that decodes them; set mapped_loads to "
+                    "\"auto\" or false (loads then read through the file path and decode), or codec to \"identity\"")
+            if kw.get("async_launch") == "step":
+                raise ConfigError(
+                    f"async_launch='step': refused with codec={kw['codec']!r}: the step's thread launches only loads "
+                    "from mapped slabs, which copy the stored bytes to the device undecoded; set async_launch to "
+                    "\"auto\" or \"thread\" (tutti's loading thread reads and decodes), or codec to \"identity\"")
     if kw.get("share_group") and not (kw.get("secret_file") or kw.get("secret_env")):
         raise ConfigError(
             f"share_group={kw['share_group']!r}: sharing a store with other users needs a secret (secret_file or "

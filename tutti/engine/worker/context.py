@@ -155,6 +155,11 @@ class WorkerContext:
     group_of_layer: list[int] | None = None
     # tutti.io.queue.ReadsFirst where writes yield to the loads' reads (a drive); None elsewhere
     reads: Any = None
+    # tutti.codec: None for "identity" (the bytes go as they are); else stores encode each layer's
+    # segment on the writer thread and loads decode it on the thread that processes them, and a
+    # layer's stride in a slot is `stored_seg` (0: seg)
+    codec: Any = None
+    stored_seg: int = 0
     num_layers: int = field(init=False)
     device: torch.device = field(init=False)
     cuda: bool = field(init=False)
@@ -165,6 +170,9 @@ class WorkerContext:
         self.device = self.caches[0].device
         self.cuda = self.device.type == "cuda"
         self.pinned = PinnedInts() if self.cuda else None
+        self.stored_seg = self.stored_seg or self.seg
+        # what a codec encodes one segment into, at most (the view its encode and decode get)
+        self.encoded_max = self.codec.max_encoded_bytes(self.seg) if self.codec is not None else self.seg
         # A variant that accepts id_range gets the block ids' bounds from the host, so its
         # launcher never reads the device tensor back (a host sync per launch otherwise).
         self._ranged = _takes_id_range(self.kernel.gather) and _takes_id_range(self.kernel.scatter)
@@ -215,8 +223,13 @@ class WorkerContext:
 
     @property
     def chunk_bytes(self) -> int:
-        """One chunk, every layer: the slab's slot, and one store region."""
+        """One chunk, every layer, raw: one store region (and the slab's slot without a codec)."""
         return self.num_layers * self.seg
+
+    @property
+    def stored_chunk_bytes(self) -> int:
+        """One chunk's slot in the store: chunk_bytes without a codec, its encoded segments with one."""
+        return self.num_layers * self.stored_seg
 
     @property
     def seg_token_bytes(self) -> int:

@@ -42,6 +42,37 @@ INLINE_GROUP_BYTES = 512 << 20
 
 
 
+class _EncodedTwins:
+    """With a codec (tutti.codec): one more registered host buffer, cut into the encoded twins of
+    the load rings (sync, async) and of the store arena (tutti.engine.worker.staging); without one,
+    nothing. A ring slot's twin holds the stored segments of every raw segment the slot can hold
+    (ceil(slot / seg) of them: the chunk-major path cuts the whole ring in chunks, across slots)."""
+
+    def __init__(self, ctx: WorkerContext, slot_bytes: int, sync_slots: int, async_slots: int, regions: int) -> None:
+        self.buffer = None
+        if ctx.codec is None:
+            return
+        from tutti.io.buffers import aligned_buffer
+
+        self.slot = -(-slot_bytes // ctx.seg) * ctx.stored_seg
+        self.region = ctx.stored_chunk_bytes
+        self.spans = [(0, sync_slots), (sync_slots * self.slot, async_slots)]  # (offset, slots) of each ring
+        self.arena_at = (sync_slots + async_slots) * self.slot
+        # host only (reads land here, then decode; encode, then writes): not pinned for the device
+        self.buffer = aligned_buffer(max(1, self.arena_at + regions * self.region), pin=False)
+
+    def ring(self, which: int) -> dict:
+        if self.buffer is None:
+            return {}
+        at, n = self.spans[which]
+        return {"encoded": self.buffer[at:at + n * self.slot], "encoded_slot_bytes": self.slot}
+
+    def arena(self) -> dict:
+        if self.buffer is None:
+            return {}
+        return {"encoded": self.buffer[self.arena_at:], "encoded_region_bytes": self.region}
+
+
 class WorkerPipeline:
     """Moves bytes between the store's slots and the paged KV cache."""
 
@@ -49,13 +80,16 @@ class WorkerPipeline:
                  kernel, checksum: Callable[[torch.Tensor], torch.Tensor], segment_bytes: int,
                  chunk_tokens: int, kernel_blocks_per_block: int = 1, staging: torch.Tensor | None = None,
                  writes: bool = True, mac=None, foreign=None, group_of_layer: list[int] | None = None,
-                 async_loads: bool | str = False, decisions: Decisions | None = None) -> None:
+                 async_loads: bool | str = False, decisions: Decisions | None = None, codec=None,
+                 stored_segment_bytes: int = 0) -> None:
         self.cfg = cfg
         self.decisions = decisions if decisions is not None else Decisions()  # every "auto" decided (resolve)
         if group_of_layer is not None and len(group_of_layer) != len(caches):
             raise ValueError(f"group_of_layer: {len(group_of_layer)} entries for {len(caches)} layers")
+        # codec: tutti.codec, None for "identity"; stored_segment_bytes: a layer's stride in a slot under it
         self.ctx = WorkerContext(cfg, list(caches), layout, store, io_queue, kernel, checksum, segment_bytes,
-                                 chunk_tokens, kernel_blocks_per_block, writes, mac, group_of_layer)
+                                 chunk_tokens, kernel_blocks_per_block, writes, mac, group_of_layer, codec=codec,
+                                 stored_seg=stored_segment_bytes)
         if self.decisions.take("reads_first", resolve.reads_first(cfg.reads_first, window=cfg.write_window_bytes)):
             self.ctx.reads = ReadsFirst(READS_FIRST_BYTES)  # the stores' writes yield to the loads' reads
         slot_bytes = cfg.staging_slot_bytes  # staging vs segment sizes: checked once, in check_geometry
@@ -86,10 +120,12 @@ class WorkerPipeline:
         elif group_of_layer is not None and load_slots > 1:
             async_slots = max(1, load_slots // 4)
         sync_bytes = load_bytes - async_slots * slot_bytes
-        ring = StagingRing(staging[:sync_bytes], slot_bytes, self.ctx.device)
+        twins = _EncodedTwins(self.ctx, slot_bytes, sync_bytes // slot_bytes, async_slots,
+                              slot_bytes * cfg.max_inflight_stores // self.ctx.chunk_bytes)
+        ring = StagingRing(staging[:sync_bytes], slot_bytes, self.ctx.device, **twins.ring(0))
         arena = RegionArena(staging, load_bytes, slot_bytes * cfg.max_inflight_stores, self.ctx.chunk_bytes,
-                            self.ctx.device, sums_per_region=self.ctx.num_layers)
-        io_queue.register_buffers([staging])
+                            self.ctx.device, sums_per_region=self.ctx.num_layers, **twins.arena())
+        io_queue.register_buffers([staging] if twins.buffer is None else [staging, twins.buffer])
         self.counters = Counters()
         self.journal = JournalView(store, follows_writer=not writes)
         self.writer = Writer()
@@ -103,7 +139,7 @@ class WorkerPipeline:
         if async_slots:
             from tutti.engine.worker.async_loads import AsyncLoads
 
-            aring = StagingRing(staging[sync_bytes:load_bytes], slot_bytes, self.ctx.device)
+            aring = StagingRing(staging[sync_bytes:load_bytes], slot_bytes, self.ctx.device, **twins.ring(1))
             inline = None
             if on_step:
                 # device-only room for one job of up to INLINE_GROUP_BYTES (a 4k-token hit of an
@@ -360,11 +396,15 @@ class WorkerPipeline:
                     for i, s in enumerate(group):
                         fd, off = store.acquire(s, layer)
                         held.append(s)
-                        reqs.append(IORequest(fd, off, ring.buffer, slot.offset + i * ctx.seg, ctx.seg, READ))
+                        if ctx.codec is None:
+                            reqs.append(IORequest(fd, off, ring.buffer, slot.offset + i * ctx.seg, ctx.seg, READ))
+                        else:  # the stored segment, as a load reads it (into the slot's encoded twin)
+                            reqs.append(IORequest(fd, off, ring.encoded, slot.encoded_offset + i * ctx.stored_seg,
+                                                  ctx.stored_seg, READ))
                     try:
                         for fut in submit_all(ctx.queue, reqs):
                             fut.result(timeout=ctx.cfg.io_timeout_s)
-                            done += ctx.seg
+                            done += ctx.stored_seg  # as read (seg without a codec)
                     finally:
                         for s in held:
                             store.release(s)

@@ -4,6 +4,11 @@ One aligned allocation (registered with the IO queue once) cut into equal slots.
 handed out to a load or a store and comes back only when both its IO and the kernel or copy
 that consumes it have finished: on CUDA the owner attaches an event to the release and the
 next acquirer waits on it.
+
+With a codec (tutti.codec), reads and writes move encoded bytes, which are decoded into (or encoded
+from) the raw staging on the host: each ring and arena then has an encoded twin, a second
+registered buffer cut the same way (slot i's twin at i x encoded_slot_bytes, region i's at
+i x encoded_region_bytes). Without one there is no twin.
 """
 
 from __future__ import annotations
@@ -24,10 +29,15 @@ class StagingSlot:
     host: torch.Tensor  # uint8 view of slot_bytes
     device: torch.Tensor | None  # device twin on CUDA, else None
     busy_until: object = None  # CUDA event that must complete before reuse
+    encoded_offset: int = 0  # with a codec: where its encoded twin starts in the ring's `encoded`
 
 
 class StagingRing:
-    def __init__(self, buffer: torch.Tensor, slot_bytes: int, device: torch.device | None = None) -> None:
+    encoded: torch.Tensor | None = None  # with a codec: the encoded twin (reads land there), else None
+    encoded_slot_bytes = 0
+
+    def __init__(self, buffer: torch.Tensor, slot_bytes: int, device: torch.device | None = None, *,
+                 encoded: torch.Tensor | None = None, encoded_slot_bytes: int = 0) -> None:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError("staging buffer: expected a 1-D uint8 tensor")
         n = buffer.numel() // slot_bytes
@@ -35,13 +45,19 @@ class StagingRing:
             raise ValueError(f"staging: {buffer.numel()} B holds no slot of {slot_bytes} B")
         self.buffer = buffer
         self.slot_bytes = slot_bytes
+        if encoded is not None:
+            if encoded.numel() < n * encoded_slot_bytes or encoded_slot_bytes <= 0:
+                raise ValueError(f"staging: an encoded twin of {encoded.numel()} B holds no {n} slots of "
+                                 f"{encoded_slot_bytes} B")
+            self.encoded, self.encoded_slot_bytes = encoded, encoded_slot_bytes
         dev_buf = None
         if device is not None and device.type == "cuda":
             dev_buf = torch.empty(n * slot_bytes, dtype=torch.uint8, device=device)
         self.device_buffer = dev_buf  # every slot's device twin, in slot order
         self._set_slots([
             StagingSlot(i, i * slot_bytes, buffer[i * slot_bytes:(i + 1) * slot_bytes],
-                        None if dev_buf is None else dev_buf[i * slot_bytes:(i + 1) * slot_bytes])
+                        None if dev_buf is None else dev_buf[i * slot_bytes:(i + 1) * slot_bytes],
+                        encoded_offset=i * encoded_slot_bytes)
             for i in range(n)
         ])
 
@@ -124,10 +140,12 @@ class RegionArena:
     """
 
     def __init__(self, buffer: torch.Tensor, offset: int, nbytes: int, region_bytes: int,
-                 device: torch.device | None = None, sums_per_region: int = 0) -> None:
+                 device: torch.device | None = None, sums_per_region: int = 0, *,
+                 encoded: torch.Tensor | None = None, encoded_region_bytes: int = 0) -> None:
         """The arena is `buffer[offset:offset + nbytes]`; `buffer` is what the IO queue registered.
         `sums_per_region`: int64 checksums each region's chunk carries, kept in host memory
-        allocated here (pinned on CUDA), so no store allocates pinned memory while serving."""
+        allocated here (pinned on CUDA), so no store allocates pinned memory while serving.
+        `encoded` (a codec): the regions' encoded twins, `encoded_region_bytes` each, registered too."""
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError("staging arena: expected a 1-D uint8 tensor")
         self.buffer = buffer
@@ -144,6 +162,11 @@ class RegionArena:
         self._free = [True] * self.num_regions
         self._nfree = self.num_regions
         self._lock = threading.Lock()
+        self.encoded, self.encoded_region_bytes = encoded, encoded_region_bytes
+        if encoded is not None and (encoded_region_bytes <= 0
+                                    or encoded.numel() < self.num_regions * encoded_region_bytes):
+            raise ValueError(f"staging arena: an encoded twin of {encoded.numel()} B holds no {self.num_regions} "
+                             f"regions of {encoded_region_bytes} B")
 
     @property
     def free_count(self) -> int:
@@ -185,6 +208,10 @@ class RegionArena:
 
     def host_view(self, first: int, count: int) -> torch.Tensor:
         return self.host[first * self.region_bytes:(first + count) * self.region_bytes]
+
+    def encoded_offset(self, region: int) -> int:
+        """Byte offset of `region`'s encoded twin in `encoded` (a codec only)."""
+        return region * self.encoded_region_bytes
 
     def sums_view(self, first: int, count: int) -> torch.Tensor:
         """The checksums of regions [first, first + count): held with the regions."""

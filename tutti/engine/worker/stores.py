@@ -245,17 +245,28 @@ class StorePipeline:
             to_file = []
         try:
             for i, st in to_file:
+                buf = self.arena.buffer
+                if ctx.codec is not None:  # encoded here, on the writer thread, into the region's twin
+                    try:
+                        self._encode(run.first + i, written[i])
+                    except Exception as exc:  # noqa: BLE001 - a codec's error fails that chunk, never the writer
+                        errors[i] = exc
+                        continue
+                    buf = self.arena.encoded
                 try:
                     fd, off = store.acquire(st.slot, 0)  # held until its writes are done
                 except OSError as exc:  # the slab cannot be opened (no descriptor left, refused)
                     errors[i] = exc
                     continue
                 pinned.append(st.slot)
-                base = self.arena.buffer_offset(run.first + i)
-                for lo, hi in self._written_ranges(written[i]):  # one request a chunk, split only past the queue's limit
+                if ctx.codec is None:
+                    base, ranges = self.arena.buffer_offset(run.first + i), self._written_ranges(written[i])
+                else:
+                    base = self.arena.encoded_offset(run.first + i)
+                    ranges = self._written_ranges(written[i], ctx.stored_seg)
+                for lo, hi in ranges:  # one request a chunk, split only past the queue's limit
                     for o in range(lo, hi, max_io):
-                        reqs.append(IORequest(fd, off + o, self.arena.buffer, base + o, min(max_io, hi - o), WRITE,
-                                              tag=i))
+                        reqs.append(IORequest(fd, off + o, buf, base + o, min(max_io, hi - o), WRITE, tag=i))
             with nvtx_range("write"):
                 # at most write_window_bytes in flight: the hits' reads share the drive's queue
                 futures, stalled = submit_windowed(ctx.queue, reqs, window, ctx.cfg.io_timeout_s, errors)
@@ -292,7 +303,7 @@ class StorePipeline:
         for st, cks, _ in done:
             self.journal.put(st.slot, st.key, cks)
         self.counters.record(stored=[st.ticket for st, _, _ in done],
-                             bytes_stored=sum(n for _, _, n in done) * ctx.seg,
+                             bytes_stored=sum(n for _, _, n in done) * ctx.stored_seg,  # as written
                              store_seconds=time.perf_counter() - run.t0)
         self._done([st for st, _, _ in done])
         return stalled
@@ -354,9 +365,29 @@ class StorePipeline:
         with gil_free_wait():
             done.synchronize()
 
-    def _written_ranges(self, layers: list[int]) -> list[tuple[int, int]]:
-        """Byte ranges of a chunk's slot to write: runs of consecutive written layers."""
-        seg, out = self.ctx.seg, []
+    def _encode(self, region: int, layers: list[int]) -> None:
+        """With a codec (tutti.codec): each of `layers` of the raw chunk in `region` encoded into the
+        region's twin at its stride in the slot, the rest of the stride zeroed (the checksums and
+        tags stay those of the raw segments). ValueError when the codec says it used more room than
+        it may."""
+        ctx, codec = self.ctx, self.ctx.codec
+        seg, sseg, most = ctx.seg, ctx.stored_seg, ctx.encoded_max
+        raw = self.arena.host_view(region, 1)
+        enc = self.arena.encoded[self.arena.encoded_offset(region):][:ctx.stored_chunk_bytes]
+        with nvtx_range("encode"):
+            for layer in layers:
+                dst = enc[layer * sseg:(layer + 1) * sseg]
+                used = codec.encode(memoryview(raw[layer * seg:(layer + 1) * seg].numpy()),
+                                    memoryview(dst[:most].numpy()))
+                if isinstance(used, bool) or not isinstance(used, int) or not 0 <= used <= most:
+                    raise ValueError(f"codec {codec.name!r}: encode returned {used!r} for layer {layer}; expected "
+                                     f"the bytes used, at most max_encoded_bytes({seg}) = {most}")
+                dst[used:].zero_()
+
+    def _written_ranges(self, layers: list[int], seg: int | None = None) -> list[tuple[int, int]]:
+        """Byte ranges of a chunk's slot to write: runs of consecutive written layers (of `seg`
+        bytes each: the segment, or with a codec its stride)."""
+        seg, out = seg or self.ctx.seg, []
         for layer in layers:
             if out and out[-1][1] == layer * seg:
                 out[-1] = (out[-1][0], (layer + 1) * seg)

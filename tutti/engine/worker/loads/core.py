@@ -147,6 +147,28 @@ class LoadCore:
         self.forget(ld)
         return False
 
+    def decoded(self, ld: LoadChunk, layer: int, src: torch.Tensor, dst: torch.Tensor) -> bool:
+        """With a codec (tutti.codec): layer `layer` of `ld` decoded from its stored bytes `src` (host,
+        a stored segment's stride) into the raw staging `dst` (host, one segment), on this thread,
+        before the checksum, tag, copy and scatter that follow as without one. Stored bytes are
+        hostile: a malformed segment fails its chunk (vLLM recomputes it) and journals it free as
+        a checksum mismatch does, never the step."""
+        ctx = self.ctx
+        try:
+            with nvtx_range("decode", layer):
+                ctx.codec.decode(memoryview(src[:ctx.encoded_max].numpy()), memoryview(dst.numpy()))
+        except Exception as exc:  # noqa: BLE001 - hostile bytes or a codec's bug: that chunk fails, never the step
+            self.fail(ld, f"its layer {layer} does not decode (codec {ctx.codec.name!r}): {exc}")
+            self.forget(ld)
+            return False
+        return True
+
+    def decoded_chunk(self, ld: LoadChunk, src: torch.Tensor, dst: torch.Tensor) -> bool:
+        """Every layer of `ld` decoded (as `decoded`) from its stored slot `src` into `dst`."""
+        sseg, seg = self.ctx.stored_seg, self.ctx.seg
+        return all(self.decoded(ld, layer, src[layer * sseg:(layer + 1) * sseg], dst[layer * seg:(layer + 1) * seg])
+                   for layer in range(self.ctx.num_layers))
+
     def source(self, ld: LoadChunk) -> tuple[object, JournalView]:
         """(store, journal view) holding `ld`: ours, or another writer's (opened read-only)."""
         if ld.source is None:

@@ -152,9 +152,11 @@ class _ChunkReader:
                 lp.fail(ld, f"cannot open its slab: {exc}")
                 continue
             group.pinned.append((store, ld.slot, r))
-            at = half.offset + r * cb
-            for piece in range(0, cb, self.max_io):
-                reqs.append(IORequest(fd, off + piece, lp.ring.buffer, at + piece, min(self.max_io, cb - piece),
+            buf, at, nbytes = lp.ring.buffer, half.offset + r * cb, cb
+            if ctx.codec is not None:  # the stored slot, into the ring's twin: process() decodes it into the half
+                buf, at, nbytes = lp.ring.encoded, self._encoded_row(half, r), ctx.stored_chunk_bytes
+            for piece in range(0, nbytes, self.max_io):
+                reqs.append(IORequest(fd, off + piece, buf, at + piece, min(self.max_io, nbytes - piece),
                                       READ, tag=r))
         with nvtx_range("read", 0):
             group.futures = submit_all(ctx.queue, reqs)
@@ -162,6 +164,11 @@ class _ChunkReader:
             ctx.reads.track(group.futures)  # the stores' writes yield until these land
         if lp.trace is not None and len(lp.trace) < 100_000:
             lp.trace.append(("read", -1, time.perf_counter()))  # -1: every layer of a group
+
+    def _encoded_row(self, half: _Half, r: int) -> int:
+        """With a codec: where row `r` of `half` lies in the ring's encoded twin (the ring's chunk
+        rows in order, a stored slot each)."""
+        return (half.offset // self.ctx.chunk_bytes + r) * self.ctx.stored_chunk_bytes
 
     def _take_half(self) -> _Half | None:
         """The next half in turn whose last group is processed and whose late reads have landed;
@@ -200,6 +207,11 @@ class _ChunkReader:
             good.append(r)
         cb, n = ctx.chunk_bytes, len(group.idx)
         host = lp.ring.buffer[group.half.offset:group.half.offset + n * cb]
+        if ctx.codec is not None:  # decoded into the half here (this thread), then as without a codec
+            scb = ctx.stored_chunk_bytes
+            good = [r for r in good if lp.decoded_chunk(lp.loads[group.idx[r]],
+                                                         lp.ring.encoded[self._encoded_row(group.half, r):][:scb],
+                                                         host[r * cb:(r + 1) * cb])]
         if ctx.mac is not None:  # keyed tags on the host, before anything reaches the device
             good = [r for r in good if lp.tags_match(lp.loads[group.idx[r]], lp.sums[group.idx[r]],
                                                       host[r * cb:(r + 1) * cb])]
@@ -219,7 +231,7 @@ class _ChunkReader:
                 ev.record(lp.stream)
                 group.half.busy = [ev]
                 self.last_event = ev
-        lp.step_bytes += len(good) * cb
+        lp.step_bytes += len(good) * ctx.stored_chunk_bytes  # as read (cb without a codec)
 
     def _wait(self, group: _Group) -> dict[int, BaseException]:
         """Every read of the group, until io_timeout_s: {row: its error}. Rows whose reads missed

@@ -241,7 +241,11 @@ class LoadPipeline(DetachedLoads, LoadCore):
                     self.fail(ld, f"cannot open its slab: {exc}")  # that chunk's blocks, never the step
                     continue
                 item.pinned.append((store, ld.slot))
-                reqs.append(IORequest(fd, off, self.ring.buffer, slot.offset + i * ctx.seg, ctx.seg, READ, tag=i))
+                if ctx.codec is None:
+                    reqs.append(IORequest(fd, off, self.ring.buffer, slot.offset + i * ctx.seg, ctx.seg, READ, tag=i))
+                else:  # the stored (encoded) segment, into the slot's twin: _process decodes it into the slot
+                    reqs.append(IORequest(fd, off, self.ring.encoded, slot.encoded_offset + i * ctx.stored_seg,
+                                          ctx.stored_seg, READ, tag=i))
             item.unsent = reqs
             self._unsent.append(item)
             self._next_submit += 1
@@ -352,6 +356,10 @@ class LoadPipeline(DetachedLoads, LoadCore):
                     self.forget(ld)
             else:
                 good.append((i, ld))
+        if ctx.codec is not None and good:  # decoded into the slot here, then as without a codec
+            sseg, enc = ctx.stored_seg, self.ring.encoded[slot.encoded_offset:]
+            good = [(i, ld) for i, ld in good
+                    if self.decoded(ld, item.layer, enc[i * sseg:(i + 1) * sseg], slot.host[i * seg:(i + 1) * seg])]
         if ctx.mac is not None and good:
             good = self._check_tags(item, good)
         n = len(item.chunks)
@@ -377,7 +385,7 @@ class LoadPipeline(DetachedLoads, LoadCore):
                     self._layer_events[item.layer] = ev
                     if self.gpu_marks is not None:
                         self._gpu_mark("loaded", item.layer, self.stream)
-            self.step_bytes += len(good) * seg
+            self.step_bytes += len(good) * ctx.stored_seg  # as read (seg without a codec)
         if blocked:
             self._stall_bytes, self._stall_end = self.step_bytes, time.perf_counter()
         if stalled:  # a late read may still land in this slot: it comes back once every read is done
