@@ -118,7 +118,8 @@ def test_auto_rule_and_make_hook():
 
 def test_kinds_lists_every_pluggable():
     ks = plugins.kinds()
-    assert {"kernel_variant", "io_backend", "medium", "hit_policy", "eviction_policy", "store_admission"} <= set(ks)
+    assert {"kernel_variant", "io_backend", "medium", "hit_policy", "eviction_policy", "store_admission",
+            "codec"} <= set(ks)
     assert all(isinstance(r, Registry) and r.kind == k for k, r in ks.items())
     assert ks["kernel_variant"].choices()[:3] == ["auto", "torch", "triton"]
     assert {"auto", "threads", "uring"} <= set(ks["io_backend"].choices())
@@ -134,7 +135,7 @@ def test_public_names_resolve():
     for name in tutti.__all__:
         assert getattr(tutti, name) is not None, name
     assert {"register_variant", "register_backend", "register_medium", "register_policy", "register_eviction",
-            "register_admission"} <= set(tutti.__all__)
+            "register_admission", "register_codec"} <= set(tutti.__all__)
     with pytest.raises(AttributeError):
         tutti.no_such_name_xyz  # noqa: B018
 

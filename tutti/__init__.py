@@ -20,6 +20,7 @@ _LAZY: dict[str, str] = {
     "register_policy": "tutti.engine.sched.hit_policy",
     "register_eviction": "tutti.engine.sched.eviction",
     "register_admission": "tutti.engine.sched.admission",
+    "register_codec": "tutti.codec",
     # the registry itself
     "Registry": "tutti.plugins",
     "kinds": "tutti.plugins",
@@ -36,6 +37,7 @@ _LAZY: dict[str, str] = {
     "EvictionPolicy": "tutti.engine.sched.eviction",
     "AdmissionPolicy": "tutti.engine.sched.admission",
     "StoreCandidate": "tutti.engine.sched.admission",
+    "SegmentCodec": "tutti.codec",
 }
 
 __all__ = sorted(_LAZY)

@@ -20,6 +20,7 @@ HOMES: dict[str, str] = {
     "hit_policy": "tutti.engine.sched.hit_policy",
     "eviction_policy": "tutti.engine.sched.eviction",
     "store_admission": "tutti.engine.sched.admission",
+    "codec": "tutti.codec",
 }
 
 _KINDS: dict[str, "Registry"] = {}
