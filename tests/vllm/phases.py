@@ -20,7 +20,9 @@ sys.path.insert(0, {here!r})
 import harness
 args = json.loads(sys.argv[1])
 kvt = None
-if args["connector"]:
+if args.get("kvt"):  # a whole kv_transfer_config of the test's own (tiers, say)
+    kvt = args["kvt"]
+elif args["connector"]:
     kvt = harness.kv_config(args["root"], chunk=args["chunk"], capacity="64MiB")
     kvt["kv_connector"] = args["connector"]
 if args["drop"]:  # the negative control: these loads leave their blocks alone
@@ -47,11 +49,12 @@ harness.shutdown_llm(llm)
 
 
 def run(model: Path, root: Path, prompts: list[list[int]], *, connector: str | None, chunk: int,
-        engine: dict, drop: str | None = None, tokens: int = 6) -> dict:
+        engine: dict, drop: str | None = None, tokens: int = 6, kvt: dict | None = None) -> dict:
     """One engine in a fresh process: its tokens, cached tokens, planner stats and KV cache groups;
-    {"error": ...} when it did not start or run. `drop`: "kv" or "state" loads left out."""
+    {"error": ...} when it did not start or run. `drop`: "kv" or "state" loads left out. `kvt`: a
+    kv_transfer_config to use instead of the one over `root`."""
     args = {"model": str(model), "root": str(root), "prompts": prompts, "connector": connector, "chunk": chunk,
-            "engine": engine, "drop": drop, "tokens": tokens}
+            "engine": engine, "drop": drop, "tokens": tokens, "kvt": kvt}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]))
     import zygote
 

@@ -123,7 +123,12 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
     num_slots = check_geometry(cfg, geom)
     mac = segment_mac(cfg) if mac is READ_SECRET else mac  # the connector read it once for its half
     geom = with_codec(with_integrity(geom, mac), cfg)
-    planner = Planner(num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
+    from tutti.engine.sched.index import ChunkIndex
+    from tutti.engine.sched.tiers import LowerTier
+
+    lower = [LowerTier(ChunkIndex(check_capacity(cfg.tier(i), geom), get_eviction(cfg.tier(i).eviction_policy)),
+                       cfg.tier(i).roots[0]) for i in range(1, 1 + len(cfg.tiers))]
+    planner = Planner(lower=lower, write_policy=cfg.write_policy,num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
                       seed=geom.seed() if mac is None else mac.seed(geom.seed()), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
                       store_decode=cfg.store_decode, num_writers=geom.num_writers,
                       num_groups=max(geom.group_of_layer or [0]) + 1, state_groups=geom.state_groups,
@@ -131,20 +136,10 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
                       admission=get_admission(cfg.store_admission), asynchronous=asynchronous,
                       step_tokens=step_tokens, attention_weight=attention_weight,
                       sync_budget=cfg.sync_load_budget_bytes if budgeted else None, can_load_async=budgeted)
-    per_rank = []
-    for tp, pp, rank in geom.store_ranks:
-        rcfg = cfg.for_rank(rank)
-        try:
-            store = open_store(cfg, rcfg.roots, geom.for_rank(tp, pp).fingerprint(), writer_id=cfg.writer_id)
-        except FileNotFoundError:
-            per_rank.append({})
-            continue
-        try:
-            per_rank.append({slot: e.key for slot, e in store.entries().items()})
-        finally:
-            store.close()
-    own = rebuild_entries(per_rank)
+    own = _resident(cfg, geom)
     planner.rebuild(own)
+    for i, tier in enumerate(lower, 1):  # each tier below from its own journals
+        tier.index.rebuild(_resident(cfg.tier(i), geom))
     probe = handoff.take_probe(engine_id) if geom.num_workers == 1 else None
     if probe is not None:  # this process's worker probed the store: a measured rate from the first lookup
         planner.seed_probe(*probe)
@@ -159,6 +154,23 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
     planner.extras = _extras_writer(cfg, geom, set(own.values())) if announce else None
     planner.foreign = _foreign_index(cfg, geom, announce=announce)
     return planner
+
+
+def _resident(cfg: EngineConfig, geom: Geometry) -> dict[int, bytes]:
+    """The chunks every store rank holds in cfg's roots (slot -> key), from their journals."""
+    per_rank = []
+    for tp, pp, rank in geom.store_ranks:
+        rcfg = cfg.for_rank(rank)
+        try:
+            store = open_store(cfg, rcfg.roots, geom.for_rank(tp, pp).fingerprint(), writer_id=cfg.writer_id)
+        except FileNotFoundError:
+            per_rank.append({})
+            continue
+        try:
+            per_rank.append({slot: e.key for slot, e in store.entries().items()})
+        finally:
+            store.close()
+    return rebuild_entries(per_rank)
 
 
 def open_store(cfg: EngineConfig, roots: Sequence[str], fingerprint, *, writer_id: str, writer: bool = False,
@@ -291,7 +303,8 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
     kernel = get_variant(decided.take("kernel_variant", resolve.kernel_variant(cfg.kernel_variant,
                                                                               cuda=caches[0].is_cuda)))
     on_ram = all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots)
-    q = open_queue(decided.take("io_backend", resolve.io_backend(cfg.io_backend, on_ram=on_ram)), **cfg.io_options)
+    every_ram = on_ram and all(fs_type(r) in RAM_FILESYSTEMS for t in cfg.tiers for r in t.roots)
+    q = open_queue(decided.take("io_backend", resolve.io_backend(cfg.io_backend, on_ram=every_ram)), **cfg.io_options)
     cfg = dataclasses.replace(cfg, write_window_bytes=decided.take(
         "write_window_bytes", resolve.write_window_bytes(cfg.write_window_bytes, on_ram=on_ram)))
     access = store_access(cfg)
@@ -314,6 +327,18 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
         store = ReplicaReader(list(wcfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes,
                               slots_per_slab=cfg.slots_per_slab, medium=medium, access=access,
                               max_open_slabs=cfg.max_open_slabs, map_ram=False, writer_id=cfg.writer_id)
+    lower = []  # the tiers below (tutti.engine.worker.tiers): this writer's own store in each, never mapped
+    try:
+        for i in range(1, 1 + len(cfg.tiers)):
+            tcfg = cfg.tier(i)
+            check_capacity(tcfg, geom)
+            lower.append(open_store(tcfg, tcfg.roots, geom.fingerprint(), writer_id=cfg.writer_id, writer=geom.writes,
+                                    medium=medium, access=access))
+    except Exception:
+        for st in [store, *lower]:
+            st.close()
+        q.close()
+        raise
     from tutti.engine.sharing import ForeignStores
 
     fingerprint = geom.fingerprint()
@@ -328,9 +353,11 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
                               chunk_tokens=cfg.chunk_tokens, kernel_blocks_per_block=kernel_blocks_per_block,
                               writes=geom.writes, mac=mac, foreign=foreign, group_of_layer=geom.group_of_layer,
                               async_loads=cfg.async_loads is True if async_loads is None else async_loads,
-                              decisions=decided, codec=codec, stored_segment_bytes=geom.stored_segment_bytes)
+                              decisions=decided, codec=codec, stored_segment_bytes=geom.stored_segment_bytes,
+                              lower=lower)
     except Exception:
-        store.close()
+        for st in [store, *lower]:
+            st.close()
         q.close()
         raise
 

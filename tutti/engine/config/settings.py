@@ -17,6 +17,17 @@ from tutti.engine.config.values import (  # noqa: F401 - the configuration's nam
 log = logging.getLogger("tutti.engine")
 
 @dataclass(frozen=True)
+class TierConfig:
+    """One tier below the first (the `tiers` key): its roots, capacity, and eviction policy where
+    it has its own (None: the first tier's). The IO backend is the worker's one queue."""
+
+    roots: tuple[str, ...]
+    root_templates: tuple[str, ...]
+    capacity_bytes: int
+    eviction_policy: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The parsed configuration. What each key takes and does is its row in spec.KEYS (and
     docs/configuration.md); the defaults are here. "auto" values are decided at start-up from
@@ -75,6 +86,8 @@ class EngineConfig:
     follow_interval_s: float = 0.25
     medium: str = "file"
     codec: str = "identity"  # how a segment's bytes are stored (tutti.codec); not "identity": a namespace of its own
+    tiers: tuple[TierConfig, ...] = ()  # the tiers below the first (roots + capacity_bytes), fastest first
+    write_policy: str = "through"
     extra: Mapping[str, Any] = field(default_factory=dict)
     # the roots as given, before `{rank}` was expanded: for_rank() expands them again
     root_templates: tuple[str, ...] = field(default=(), compare=False, repr=False)
@@ -84,9 +97,23 @@ class EngineConfig:
         parsed or validated again (one parse per process half)."""
         from dataclasses import replace
 
-        if not self.root_templates or not any("{rank}" in r for r in self.root_templates):
+        templates = self.root_templates + tuple(r for t in self.tiers for r in t.root_templates)
+        if not any("{rank}" in r for r in templates):
             return self
-        return replace(self, roots=tuple(resolve_root(r, rank) for r in self.root_templates))
+        return replace(self, roots=tuple(resolve_root(r, rank) for r in self.root_templates),
+                       tiers=tuple(replace(t, roots=tuple(resolve_root(r, rank) for r in t.root_templates))
+                                   for t in self.tiers))
+
+    def tier(self, i: int) -> "EngineConfig":
+        """The config of tier `i` (0: this one): its roots, capacity and eviction policy, everything
+        else as this one's."""
+        from dataclasses import replace
+
+        if i == 0:
+            return self
+        t = self.tiers[i - 1]
+        return replace(self, roots=t.roots, root_templates=t.root_templates, capacity_bytes=t.capacity_bytes,
+                       eviction_policy=t.eviction_policy or self.eviction_policy, tiers=())
 
     @classmethod
     def of(cls, config: "Mapping[str, Any] | EngineConfig", *, rank: int = 0) -> "EngineConfig":
@@ -147,10 +174,11 @@ class EngineConfig:
 
         raw = dict(raw or {})
         spec.refuse_unknown(raw)
+        lower = spec.parse_tiers(raw, rank)
         roots, templates = spec.parse_roots(raw, rank)
         if "capacity_bytes" not in raw:
             raise ConfigError("capacity_bytes: missing; give the store's size, e.g. '64GiB'")
-        kw: dict[str, Any] = {"roots": roots, "root_templates": templates, **spec.staging_values(raw)}
+        kw: dict[str, Any] = {"roots": roots, "root_templates": templates, "tiers": lower, **spec.staging_values(raw)}
         for key in spec.KEYS.values():
             if key.name in raw:
                 kw[key.name] = key.parse(key.name, raw.pop(key.name))

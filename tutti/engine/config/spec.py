@@ -179,6 +179,15 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("capacity_bytes", "essential", "a size: bytes, or a string such as '64GiB'",
         "The store's size on this root, per rank; the eviction policy keeps it there.", "64GiB", size,
         required=True),
+    Key("tiers", "essential", "a list of {root or roots, capacity_bytes[, eviction_policy]}, fastest "
+        "first", "A hierarchy instead of one root: a chunk lands in the first tier and is served from the fastest "
+        "tier holding it; each tier keeps its own capacity, eviction, journal and checksums.",
+        [{"root": "/dev/shm/tutti", "capacity_bytes": "64GiB"}, {"root": "/mnt/nvme/tutti", "capacity_bytes": "2TiB"}],
+        lambda n, v: v),
+    Key("write_policy", "essential", "\"through\"",
+        "With tiers: \"through\" copies every chunk the first tier commits down to the next, off the forward "
+        "thread; a hit from a lower tier is copied back up when admission agrees.", "through",
+        choice(("through",), "how chunks reach the lower tiers")),
     Key("chunk_tokens", "essential", "an integer in [1, 1048576], a multiple of vLLM's block size",
         "Tokens per stored chunk: the unit of a hit, a store and an eviction.", 256, integer(1, 1 << 20)),
     Key("medium", "tuning", "\"file\", a registered name or \"package.module:attr\"",
@@ -307,6 +316,60 @@ def refuse_unknown(raw: Mapping[str, Any]) -> None:
             hints.append(f"{k!r}: did you mean {near[0]!r}?")
     raise ConfigError(f"unknown key(s) {unknown}; " + (" ".join(hints) + " " if hints else "")
                       + f"allowed keys are {sorted(known)}")
+
+
+#: what one entry of `tiers` takes
+TIER_KEYS = ("root", "roots", "capacity_bytes", "eviction_policy")
+
+
+def parse_tiers(raw: dict, rank: int) -> tuple:
+    """`tiers`, popped from `raw`: its first entry becomes `raw`'s root and capacity (and its
+    eviction_policy, unless given at the top level), the rest the lower tiers
+    (TierConfig each, fastest first). Nothing here when `tiers` is not given."""
+    from tutti.engine.config.settings import TierConfig
+
+    if "tiers" not in raw:
+        return ()
+    tiers = raw.pop("tiers")
+    if not isinstance(tiers, (list, tuple)) or not tiers or not all(isinstance(t, Mapping) for t in tiers):
+        raise ConfigError(f"tiers={tiers!r}: expected a list of tiers, fastest first, each a mapping such as "
+                          "{\"root\": \"/dev/shm/tutti\", \"capacity_bytes\": \"64GiB\"}")
+    if len(tiers) > 8:
+        raise ConfigError(f"tiers: {len(tiers)} tiers; expected at most 8")
+    given = [k for k in ("root", "roots", "capacity_bytes") if k in raw]
+    if given:
+        raise ConfigError(f"tiers: give the tiers or {given} (the one-tier shorthand), not both; move "
+                          f"{given} into the first tier")
+    out = []
+    for i, t in enumerate(tiers):
+        where = f"tiers[{i}]"
+        t = dict(t)
+        unknown = sorted(set(t) - set(TIER_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; a tier takes {list(TIER_KEYS)}")
+        if "capacity_bytes" not in t:
+            raise ConfigError(f"{where}.capacity_bytes: missing; give the tier's size, e.g. '64GiB'")
+        try:
+            roots, templates = parse_roots(t, rank)
+            cap = size(f"{where}.capacity_bytes", t.pop("capacity_bytes"))
+            pol = KEYS["eviction_policy"].parse(f"{where}.eviction_policy", t.pop("eviction_policy")) \
+                if "eviction_policy" in t else None
+        except ConfigError as exc:
+            msg = str(exc)
+            raise ConfigError(msg if msg.startswith(where) else f"{where}.{msg}") from None
+        if not isinstance(cap, int) or cap <= 0:
+            raise ConfigError(f"{where}.capacity_bytes={cap!r}: expected a positive size such as '64GiB'")
+        if i == 0:
+            raw["roots"], raw["capacity_bytes"] = list(templates), cap
+            if pol is not None:
+                raw.setdefault("eviction_policy", pol)
+            continue
+        out.append(TierConfig(roots, templates, cap, pol))
+    every = [os.path.realpath(r) for r in raw["roots"]] + [os.path.realpath(r) for t in out for r in t.roots]
+    if len(set(every)) != len(every):
+        raise ConfigError(f"tiers: a directory serves two tiers ({sorted(r for r in set(every) if every.count(r) > 1)}); "
+                          "give each tier directories of its own")
+    return tuple(out)
 
 
 def parse_roots(raw: dict, rank: int) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -56,7 +56,8 @@ class AsyncLoads:
         """From the step's thread, when vLLM binds the step that hands these blocks out: on CUDA
         the loads wait for the work already queued on the compute stream (a freed request's last
         step may still use the blocks), without the host waiting."""
-        if self.inline is not None and self.inline.can_detach():
+        if self.inline is not None and self.inline.can_detach() and not any(ld.tier for ld in loads):
+            # (a lower tier's chunks are read from a drive: this thread's job)
             self._launch(step, loads)
             return
         after = None

@@ -155,6 +155,8 @@ class WorkerContext:
     group_of_layer: list[int] | None = None
     # tutti.io.queue.ReadsFirst where writes yield to the loads' reads (a drive); None elsewhere
     reads: Any = None
+    # the tiers below this worker's store (tutti.engine.worker.tiers): (store, JournalView) each
+    lower: list = field(default_factory=list)
     # tutti.codec: None for "identity" (the bytes go as they are); else stores encode each layer's
     # segment on the writer thread and loads decode it on the thread that processes them, and a
     # layer's stride in a slot is `stored_seg` (0: seg)

@@ -81,7 +81,7 @@ class WorkerPipeline:
                  chunk_tokens: int, kernel_blocks_per_block: int = 1, staging: torch.Tensor | None = None,
                  writes: bool = True, mac=None, foreign=None, group_of_layer: list[int] | None = None,
                  async_loads: bool | str = False, decisions: Decisions | None = None, codec=None,
-                 stored_segment_bytes: int = 0) -> None:
+                 stored_segment_bytes: int = 0, lower: Sequence = ()) -> None:
         self.cfg = cfg
         self.decisions = decisions if decisions is not None else Decisions()  # every "auto" decided (resolve)
         if group_of_layer is not None and len(group_of_layer) != len(caches):
@@ -129,6 +129,16 @@ class WorkerPipeline:
         self.counters = Counters()
         self.journal = JournalView(store, follows_writer=not writes)
         self.writer = Writer()
+        # the tiers below `store`, slowest last (tutti.engine.sched.tiers plans the copies between them)
+        self.ctx.lower = [(st, JournalView(st, follows_writer=not writes)) for st in lower]
+        self.copier = None
+        if self.ctx.lower and writes:
+            from tutti.engine.worker.tiers import TierCopier
+
+            if self.ctx.reads is None:  # copies down to a drive yield to the hits' reads from it
+                self.ctx.reads = ReadsFirst(READS_FIRST_BYTES)
+            self.copier = TierCopier([store, *lower], [self.journal, *(j for _, j in self.ctx.lower)], self.counters,
+                                     slot_bytes=store.slot_bytes, reads=self.ctx.reads)
         self.foreign = foreign  # tutti.engine.sharing.ForeignStores (other writers of the namespace)
         self.loads = LoadPipeline(self.ctx, ring, self.journal, self.counters, self._forget, foreign)
         self.async_loads = None
@@ -240,6 +250,8 @@ class WorkerPipeline:
                 raise RuntimeError("asynchronous loads planned for a worker built without them")
             self.async_loads.submit(plan.async_step, plan.async_loads)
         self.stores.planned(plan.stores)
+        if plan.copies and self.copier is not None:
+            self.copier.submit(plan.copies)
 
     def wait_layer(self, layer: int) -> None:
         """Before layer `layer` computes: its KV is in the cache (or its blocks marked failed)."""
@@ -278,12 +290,13 @@ class WorkerPipeline:
         Another writer's chunk is never touched: its owner finds it corrupt when it loads it."""
         if ld.source is not None:
             return
-        self.journal.drop(ld.slot, ld.key)
+        store, journal = (self.store, self.journal) if not ld.tier else self.ctx.lower[ld.tier - 1]
+        journal.drop(ld.slot, ld.key)
         if not self.ctx.writes:
             return  # the writer reads the same bytes, finds them corrupt too and journals the slot free
 
         def free() -> None:
-            self.store.free([ld.slot])
+            store.free([ld.slot])
 
         self.writer.submit(free)
 
@@ -450,8 +463,8 @@ class WorkerPipeline:
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until the writer has finished every queued store (tests, shutdown)."""
         deadline = time.monotonic() + timeout
-        while (self.writer.pending or self.stores.busy or (self.async_loads is not None and self.async_loads.pending)) \
-                and time.monotonic() < deadline:
+        while (self.writer.pending or self.stores.busy or (self.async_loads is not None and self.async_loads.pending)
+               or (self.copier is not None and self.copier.pending)) and time.monotonic() < deadline:
             time.sleep(0.005)
 
     def close(self) -> None:
@@ -462,7 +475,11 @@ class WorkerPipeline:
         if self.async_loads is not None:
             self.async_loads.close()
         self.writer.close()
+        if self.copier is not None:
+            self.copier.close()
         self.queue.close()
         self.store.close()
+        for st, _ in self.ctx.lower:
+            st.close()
         if self.foreign is not None:
             self.foreign.close()

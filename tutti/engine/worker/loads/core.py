@@ -172,7 +172,7 @@ class LoadCore:
     def source(self, ld: LoadChunk) -> tuple[object, JournalView]:
         """(store, journal view) holding `ld`: ours, or another writer's (opened read-only)."""
         if ld.source is None:
-            return self.ctx.store, self.journal
+            return (self.ctx.store, self.journal) if not ld.tier else self.ctx.lower[ld.tier - 1]
         if self.foreign is None:
             raise RuntimeError("this worker reads no other writers")
         return self.foreign.get(ld.source)

@@ -1,0 +1,109 @@
+"""The worker's copies between its tiers (tutti.engine.sched.tiers plans them): a write-down of
+a committed chunk from RAM to the drive below, or a promotion of a hit back up.
+
+They run on a thread of their own, never the forward's: each copy reads the source slot whole
+into one page-aligned buffer made at start-up and writes it to the destination slot (pread and
+pwrite release the GIL, and O_DIRECT slabs take an aligned buffer), then commits it through the
+destination store's one durability order (old contents freed before the write, data synced
+before its journal record). The bytes are not checked on the way: the source's journaled
+checksums (or keyed tags) go with them, and the load that serves the copy verifies them there.
+While a hit's reads are in flight on the drive, a copy's writes wait for them (ReadsFirst), a
+slice at a time: a read done sooner saves prefill now, a copy done later only delays a hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+from typing import Sequence
+
+from tutti.engine.plan import CopyChunk
+from tutti.engine.worker.writer import Writer
+
+log = logging.getLogger("tutti.engine")
+
+#: the longest a slice of a copy waits for hits' reads before it writes anyway (s)
+MAX_YIELD_S = 0.05
+
+
+class TierCopier:
+    """Copies between this worker's tiers. `stores[t]` / `journals[t]`: tier t's store and its
+    in-process journal view (tutti.engine.worker.context.JournalView); `reads`: the loads'
+    tutti.io.queue.ReadsFirst (None: no drive shared with hits)."""
+
+    def __init__(self, stores: Sequence, journals: Sequence, counters, *, slot_bytes: int, reads=None,
+                 slice_bytes: int = 4 << 20) -> None:
+        self.stores, self.journals, self.counters = list(stores), list(journals), counters
+        self.slot_bytes, self.reads = slot_bytes, reads
+        self.slice_bytes = max(4096, slice_bytes // 4096 * 4096)
+        self._buf = mmap.mmap(-1, max(4096, -(-slot_bytes // 4096) * 4096))  # page-aligned, made once
+        self._view = memoryview(self._buf)[:slot_bytes]
+        self._thread = Writer("tutti-tiers")
+        self._lock = threading.Lock()
+        self.copied = [0] * len(self.stores)  # chunks copied into each tier
+        self.failed = 0
+
+    @property
+    def pending(self) -> int:
+        return self._thread.pending
+
+    def submit(self, copies: Sequence[CopyChunk]) -> None:
+        """Queue the step's copies (the planner holds both slots until they are reported)."""
+        for c in copies:
+            self.journals[c.dst].drop(c.dst_slot)  # its old contents are gone from now on
+        if copies:
+            self._thread.submit(lambda cs=list(copies): self._run(cs))
+
+    def _run(self, copies: list[CopyChunk]) -> None:
+        for c in copies:
+            t0 = time.perf_counter()
+            try:
+                self._copy(c)
+            except Exception as exc:  # noqa: BLE001 - a copy fails alone: the chunk stays where it was
+                self.failed += 1
+                log.warning("tutti: copy of chunk %s from tier %d to tier %d failed: %s", c.key.hex()[:16], c.src,
+                            c.dst, exc)
+                self.counters.record(store_failed=[c.ticket])
+                continue
+            self.copied[c.dst] += 1
+            self.counters.record(stored=[c.ticket], bytes_stored=self.slot_bytes,
+                                 store_seconds=time.perf_counter() - t0)
+
+    def _copy(self, c: CopyChunk) -> None:
+        sums = self.journals[c.src].checksums(c.src_slot, c.key)
+        if sums is None:
+            raise LookupError(f"slot {c.src_slot} of tier {c.src} no longer holds it")
+        src, dst = self.stores[c.src], self.stores[c.dst]
+        with src.held(c.src_slot) as (fd, off):
+            n = os.preadv(fd, [self._view], off)
+        if n != self.slot_bytes:
+            raise OSError(f"short read of the source slot: {n} of {self.slot_bytes} bytes")
+        dst.free([c.dst_slot])  # durably, before its bytes change
+        with dst.held(c.dst_slot) as (fd, off):
+            done = 0
+            while done < self.slot_bytes:
+                self._yield_to_reads()
+                k = os.pwritev(fd, [self._view[done:done + self.slice_bytes]], off + done)
+                if k <= 0:
+                    raise OSError(f"write of the destination slot stopped at {done} of {self.slot_bytes} bytes")
+                done += k
+        dst.commit([(c.key, c.dst_slot, sums)])
+        self.journals[c.dst].put(c.dst_slot, c.key, sums)
+
+    def _yield_to_reads(self) -> None:
+        if self.reads is None:
+            return
+        end = time.monotonic() + MAX_YIELD_S
+        while self.reads.reading() and time.monotonic() < end:
+            time.sleep(0.0005)
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        return self._thread.flush(timeout)
+
+    def close(self) -> None:
+        self._thread.close()
+        self._view.release()
+        self._buf.close()
