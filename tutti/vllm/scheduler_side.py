@@ -173,7 +173,8 @@ class SchedulerHalf:
         """Lookups, hits, failed loads, commits, evictions and capacity since the last call."""
         return self._stats.take(self.planner.stats, self.planner.capacity_used_bytes(),
                                 hook_seconds=self._hooks.take() if host_costs else 0.0,
-                                thread_cpu_seconds=self._threads.take() if host_costs else 0.0)
+                                thread_cpu_seconds=self._threads.take() if host_costs else 0.0,
+                                tiers=self.planner.tier_stats if self.planner.lower else None)
 
     def shutdown(self) -> None:
         p = self.planner

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 COUNTER = "counter"
 GAUGE = "gauge"
+MAX_TIERS = 8  # the most the `tiers` key takes
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class MetricDef:
     kind: str  # COUNTER (summed across workers and steps) or GAUGE (latest value wins)
     doc: str
     reason: str = ""  # several fields of one metric: each its `reason` label's value
+    tier: str = ""  # or its `tier` label's value (0: the first, fastest tier)
 
     @property
     def exposed_name(self) -> str:
@@ -79,6 +81,17 @@ METRICS: tuple[MetricDef, ...] = (
               "Chunks committed to tutti's store (durable on every worker)."),
     MetricDef("evictions", "vllm:tutti_evictions", COUNTER,
               "Chunks evicted from tutti's store to make room for new ones."),
+    # per tier (the `tiers` key; tier 0 alone without it): fields tier<i>_<what>
+    *(MetricDef(f"tier{i}_{what}", f"vllm:tutti_tier_{what}", COUNTER, doc, tier=str(i))
+      for what, doc in (("hit_tokens", "Hit tokens loaded from each of this server's tiers (0: the first, fastest)."),
+                        ("evictions", "Chunks each tier gave up to make room (still served from a tier below, if "
+                                      "one holds it)."),
+                        ("writedowns", "Chunks copied into each tier from the one above (write-through)."))
+      for i in range(MAX_TIERS)),
+    MetricDef("tier_promotions", "vllm:tutti_tier_promotions", COUNTER,
+              "Chunks a hit loaded from a lower tier and copied back up into the first."),
+    MetricDef("tier_dropped", "vllm:tutti_tier_dropped", COUNTER,
+              "Write-downs that failed or found no room below: the chunk left the tier above unwritten."),
     MetricDef("scheduler_hook_seconds", "vllm:tutti_scheduler_hook_seconds", COUNTER,
               "Seconds tutti's scheduler-side hooks took on the scheduler's thread (lookups, step plans, reports)."),
     MetricDef("scheduler_thread_cpu_seconds", "vllm:tutti_scheduler_thread_cpu_seconds", COUNTER,
@@ -92,6 +105,7 @@ METRICS: tuple[MetricDef, ...] = (
 BY_FIELD: dict[str, MetricDef] = {m.field: m for m in METRICS}
 WORKER_FIELDS = ("bytes_loaded", "load_seconds", "bytes_stored", "store_seconds", "stores_skipped",
                  "worker_hook_seconds", "worker_thread_cpu_seconds", "worker_thread_wait_seconds")
+TIER_LISTS = ("hit_tokens", "evictions", "writedowns")  # TierStats' per-tier lists
 SCHEDULER_FIELDS = ("queried_tokens", "hit_tokens", "async_hit_tokens", "declined_hit_tokens", "loads_failed",
                     "stores_committed", "evictions",
                     *(m.field for m in METRICS if m.field.startswith("declined_") and m.reason))
@@ -170,13 +184,24 @@ class SchedulerStatsTracker:
         self._last_used: int | None = None
 
     def take(self, planner_stats: Any, used_bytes: int, *, hook_seconds: float = 0.0,
-             thread_cpu_seconds: float = 0.0) -> TuttiKVConnectorStats | None:
+             thread_cpu_seconds: float = 0.0, tiers: Any = None) -> TuttiKVConnectorStats | None:
+        """`tiers`: the planner's TierStats (tutti.engine.sched.tiers)."""
         now = self._read(planner_stats)  # one C call for every field
+        if tiers is not None:
+            now = now + tuple(v for what in TIER_LISTS for v in getattr(tiers, what)) + (tiers.promotions,
+                                                                                        tiers.dropped)
+            fields = SCHEDULER_FIELDS + tuple(f"tier{i}_{what}" for what in TIER_LISTS
+                                              for i in range(len(getattr(tiers, what)))) + (
+                "tier_promotions", "tier_dropped")
+        else:
+            fields = SCHEDULER_FIELDS
+        if len(self._last) != len(now):
+            self._last = (0,) * len(now)
         if now == self._last and used_bytes == self._last_used and not hook_seconds and not thread_cpu_seconds:
             return None  # a quiet step: nothing to send
         values: dict[str, Any] = {"scheduler_hook_seconds": hook_seconds,
                                   "scheduler_thread_cpu_seconds": thread_cpu_seconds}
-        for field, new, old in zip(SCHEDULER_FIELDS, now, self._last):
+        for field, new, old in zip(fields, now, self._last):
             values[field] = new - old
         self._last = now
         if used_bytes != self._last_used:
@@ -196,7 +221,7 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
         self._bound: dict[tuple[str, int], Any] = {}
         made: dict[str, Any] = {}  # one Prometheus metric per name; fields with a reason share it
         for m in METRICS:
-            names = list(labelnames) + (["reason"] if m.reason else [])
+            names = list(labelnames) + (["reason"] if m.reason else []) + (["tier"] if m.tier else [])
             metric = made.get(m.name)
             if metric is None and m.kind == COUNTER:
                 metric = made[m.name] = self._counter_cls(name=m.name, documentation=m.doc, labelnames=names)
@@ -204,7 +229,8 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
                 metric = made[m.name] = self._gauge_cls(name=m.name, documentation=m.doc, labelnames=names,
                                                         multiprocess_mode="mostrecent")
             for idx, values in per_engine_labelvalues.items():
-                self._bound[(m.field, idx)] = metric.labels(*values, *([m.reason] if m.reason else []))
+                self._bound[(m.field, idx)] = metric.labels(*values, *([m.reason] if m.reason else []),
+                                                            *([m.tier] if m.tier else []))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in (transfer_stats_data or {}).items():
