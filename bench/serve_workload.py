@@ -70,6 +70,10 @@ METRICS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:external
 # one counter with a `reason` label: kept apart per reason, as "NAME:REASON"
 BY_REASON = "vllm:tutti_declined_hit_tokens_by_reason"
 REASONS = ("rate", "queue", "unmeasured", "budget", "state")
+# counters with a `tier` label (tutti's tiers): kept apart per tier, as "NAME:TIER"
+BY_TIER = ("vllm:tutti_tier_hit_tokens", "vllm:tutti_tier_evictions", "vllm:tutti_tier_writedowns")
+TIERS = ("0", "1")
+TIER_TOTALS = ("vllm:tutti_tier_promotions", "vllm:tutti_tier_dropped")
 
 
 def short_word(i: int) -> str:
@@ -234,7 +238,8 @@ def scrape(port: int) -> dict[str, float]:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """METRICS from Prometheus text, each summed over its label sets (`_total` or not)."""
-    out = dict.fromkeys(METRICS + tuple(f"{BY_REASON}:{r}" for r in REASONS), 0.0)
+    out = dict.fromkeys(METRICS + tuple(f"{BY_REASON}:{r}" for r in REASONS) + TIER_TOTALS
+                        + tuple(f"{n}:{t}" for n in BY_TIER for t in TIERS), 0.0)
     for line in text.splitlines():
         if line.startswith("#") or " " not in line:
             continue
@@ -243,6 +248,9 @@ def parse_metrics(text: str) -> dict[str, float]:
         if base == BY_REASON:
             m = re.search(r'reason="([a-z]+)"', line)
             base = f"{BY_REASON}:{m.group(1)}" if m else base
+        elif base in BY_TIER:
+            m = re.search(r'tier="([0-9]+)"', line)
+            base = f"{base}:{m.group(1)}" if m else base
         if base in out:
             try:
                 out[base] += float(line.rsplit(" ", 1)[1])
@@ -462,15 +470,26 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
     return res
 
 
+def tier_cell(m: dict) -> str:
+    """A tiered case's per-tier counters ("-" for a case without tiers)."""
+    if not any(m.get(f"{n}:{t}") for n in BY_TIER for t in TIERS):
+        return "-"
+    g = lambda k: f"{m.get(k, 0):.0f}"  # noqa: E731
+    return (f"{g('vllm:tutti_tier_hit_tokens:0')} / {g('vllm:tutti_tier_hit_tokens:1')}, "
+            f"{g('vllm:tutti_tier_evictions:0')} / {g('vllm:tutti_tier_evictions:1')}, "
+            f"{g('vllm:tutti_tier_writedowns:1')}, {g('vllm:tutti_tier_promotions')}, {g('vllm:tutti_tier_dropped')}")
+
+
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["case"] == "none" and "error" not in r), None)
     rows = ["| case | req/s | x none | TTFT mean / p50 / p99 (ms) | TPOT mean / p99 (ms) | hit tokens (connector) | "
             "vLLM prefix-cache hits | stores skipped | tutti host s: worker hooks / threads' CPU (their waits, wall) / "
-            "scheduler hooks | GIL held by tutti's threads |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "scheduler hooks | GIL held by tutti's threads | tiers: hit tokens 0 / 1, evictions 0 / 1, "
+            "write-downs, promotions, dropped |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | | |")
+            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | | | |")
             continue
         m = r["metrics"]
         ratio = f"{r['request_throughput'] / base['request_throughput']:.2f}" if base else "-"
@@ -481,7 +500,7 @@ def table(results: list[dict]) -> str:
                     f"{hit:.0f} | {m['vllm:prefix_cache_hits']:.0f} | "
                     f"{m['vllm:tutti_skipped_stores']:.0f} | {m['vllm:tutti_worker_hook_seconds']:.2f} / "
                     f"{m['vllm:tutti_worker_thread_cpu_seconds']:.2f} ({m['vllm:tutti_worker_thread_wait_seconds']:.2f}) / "
-                    f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} | {gil} |")
+                    f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} | {gil} | {tier_cell(m)} |")
     return "\n".join(rows)
 
 

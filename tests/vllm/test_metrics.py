@@ -156,6 +156,31 @@ def test_declined_tokens_carry_their_reason_as_a_label():
     assert 'vllm:tutti_declined_hit_tokens_total{engine="0",model_name="m"} 320.0' in text
 
 
+def test_tier_counters_carry_their_tier_as_a_label():
+    """With tiers, the scheduler sends each tier's hits, evictions and write-downs as deltas."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from tutti.engine.sched.planner import PlannerStats
+    from tutti.engine.sched.tiers import TierStats
+
+    reg, types = _private_metric_types()
+    prom = TuttiPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["m", "0"]})
+    ps, tiers = PlannerStats(), TierStats.new(2)
+    t = SchedulerStatsTracker(capacity_bytes=1000)
+    t.take(ps, 0, tiers=tiers)
+    tiers.hit_tokens[0], tiers.hit_tokens[1], tiers.writedowns[1], tiers.promotions = 512, 256, 3, 2
+    prom.observe(t.take(ps, 0, tiers=tiers).data)
+    tiers.hit_tokens[1] += 64
+    assert t.take(ps, 0, tiers=tiers).data == {"tier1_hit_tokens": 64}  # deltas
+    text = generate_latest(reg).decode()
+    assert 'vllm:tutti_tier_hit_tokens_total{engine="0",model_name="m",tier="0"} 512.0' in text
+    assert 'vllm:tutti_tier_hit_tokens_total{engine="0",model_name="m",tier="1"} 256.0' in text
+    assert 'vllm:tutti_tier_writedowns_total{engine="0",model_name="m",tier="1"} 3.0' in text
+    assert 'vllm:tutti_tier_promotions_total{engine="0",model_name="m"} 2.0' in text
+
+
 # ------------------------------------------------------------------ NVTX
 def test_nvtx_range_is_a_shared_noop_on_cpu(monkeypatch):
     import torch

@@ -104,6 +104,10 @@ class WorkerReport:
     # the start-up read probe (WorkerPipeline.probe_read_rate): the hit policy's first read rate
     probe_bytes: int = 0
     probe_seconds: float = 0.0
+    # the same sample from steps that read a lower tier's chunks (tutti.engine.sched.tiers prices
+    # those hits by it): the slower tier sets such a step's pace
+    lower_rate_bytes: int = 0
+    lower_rate_seconds: float = 0.0
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
         return WorkerReport(
@@ -121,6 +125,8 @@ class WorkerReport:
             rate_seconds=self.rate_seconds + other.rate_seconds,
             probe_bytes=self.probe_bytes + other.probe_bytes,
             probe_seconds=max(self.probe_seconds, other.probe_seconds),
+            lower_rate_bytes=self.lower_rate_bytes + other.lower_rate_bytes,
+            lower_rate_seconds=self.lower_rate_seconds + other.lower_rate_seconds,
         )
 
     def is_empty(self) -> bool:

@@ -112,3 +112,30 @@ def test_an_eviction_from_the_last_tier_holding_a_chunk_withdraws_it():
     assert ("removed", [chunks[0]]) in events
     assert chunks[1] not in p.index and chunks[1] in p.lower[0].index
     assert not any(kind == "removed" and chunks[1] in keys for kind, keys in events)
+
+
+def test_a_hit_loads_its_ram_part_and_prices_the_rest_by_the_lower_tiers_rate():
+    """slot_bytes 4096 per 64 tokens: 64 B a token. Prefill 1,000 tokens/s; RAM reads 1 GB/s.
+    A drive at 1 MB/s (16k tokens/s) is worth loading; at 10 kB/s (160 tokens/s) it is not."""
+    from tutti.engine.sched.hit_policy import get_policy
+
+    def planner_with(disk_rate):
+        p = tiered(ram=2)
+        p.hit_policy = get_policy("auto")
+        keys = p._request("setup", toks).keys[:4]
+        for index, held in ((p.index, keys[:2]), (p.lower[0].index, keys)):  # RAM: the head; disk: all of it
+            index.plan_store(held)
+            for k in held:
+                index.commit(k)
+        p.meter.seed(prefill_tokens_per_s=1000.0, step_s=0.05)
+        p.meter.on_loads(1 << 30, 1.0)
+        p.lower_meter.on_loads(int(disk_rate), 1.0)
+        return p
+
+    toks = list(range(2000, 2257))  # 4 chunks and a token
+    fast = planner_with(1e6)
+    assert [t for _, _, t in fast._locate(fast._reqs["setup"].keys[:4])] == [0, 0, 1, 1]
+    assert fast.match("a", toks, 0) == 4 * T
+    slow = planner_with(1e4)
+    assert slow.match("a", toks, 0) == 2 * T  # the RAM part only: the drive is slower than recomputing
+    assert slow._reqs["a"].declined == 2 * T

@@ -73,6 +73,9 @@ class HitPlanning:
         batch = sum(1 for other in self._batch_ids if other != req_id and other in self._reqs)
         take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens, context=num_computed_tokens,
                             batch=batch)
+        if self.lower and any(t for _, _, t in r.hit_sources):  # a hit reaching into a lower tier
+            take = self._tiered_take(r, take, found, len(tokens) - num_computed_tokens, max_load_tokens,
+                                     num_computed_tokens, batch)
         chosen, reason = take, getattr(self.hit_policy, "last_reason", "rate")
         if take > 0 and not self.asynchronous and self.can_load_async:
             # the step is at least as long as this prompt's own share of it: with attention counted,
@@ -200,15 +203,18 @@ class HitPlanning:
                         attention_weight=self.attention_weight)
 
     def _choose(self, found: int, prompt_tokens: int, max_load_tokens: int | None,
-                asynchronous: bool | None = None, context: int = 0, batch: int = 0, queued: int | None = None) -> int:
+                asynchronous: bool | None = None, context: int = 0, batch: int = 0, queued: int | None = None,
+                meter=None) -> int:
         """The hit policy's choice among the loadable counts of a hit of `found` tokens; `batch`:
-        the other requests running; `queued`: the load bytes queued ahead (default: as planned)."""
+        the other requests running; `queued`: the load bytes queued ahead (default: as planned);
+        `meter`: whose read rate prices it (default: the first tier's, self.meter)."""
         q = self._query(found, prompt_tokens, max_load_tokens,
                         self.asynchronous if asynchronous is None else asynchronous, context)
-        overhead, load_rate = self.meter.load_model()
+        reads = self.meter if meter is None else meter
+        overhead, load_rate = reads.load_model()
         rates = Rates(load_rate, self.meter.prefill_rate,
                       queued_load_bytes=self._queued_load_bytes() if queued is None else queued,
-                      prefill_backlog_tokens=max(0, self._backlog), load_age_s=self.meter.load_age(),
+                      prefill_backlog_tokens=max(0, self._backlog), load_age_s=reads.load_age(),
                       load_overhead_s=overhead, step_s=self.meter.step_time, batch_requests=batch,
                       layerwise_extra_s=self.meter.layerwise_extra_s)
         try:

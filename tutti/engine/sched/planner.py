@@ -96,6 +96,7 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
         # queues it weighs (bytes of loads planned and not done, prompt tokens not computed).
         self.hit_policy: HitPolicy = hit_policy if hit_policy is not None else Always()
         self.meter = RateMeter()
+        self.lower_meter = RateMeter()  # the read rate of steps that load from a lower tier (tiers.py)
         self.step_tokens = step_tokens
         # a token's compute per earlier token it attends to, relative to its other compute
         # (tutti.engine.sched.hit_policy.HitQuery.attention_weight; the connector sets it from the model)

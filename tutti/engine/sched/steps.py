@@ -251,6 +251,8 @@ class StepPlanning:
         s.load_seconds += report.load_seconds
         s.store_seconds += report.store_seconds
         s.stores_skipped += report.stores_skipped
+        if report.lower_rate_bytes or report.lower_rate_seconds:
+            self.lower_meter.on_loads(report.lower_rate_bytes, report.lower_rate_seconds)
         if report.rate_bytes or report.rate_seconds:
             self.meter.on_loads(report.rate_bytes, report.rate_seconds)
         elif report.bytes_loaded:

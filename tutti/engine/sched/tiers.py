@@ -86,6 +86,22 @@ class TierPlanning:
         if gone:
             self._events.append(("removed", gone))
 
+    # -- pricing a hit across tiers -------------------------------------------------------
+    def _tiered_take(self, r, take: int, found: int, prompt: int, max_load: int | None, computed: int,
+                     batch: int) -> int:
+        """The tokens to load of a hit that reaches into a lower tier: its leading run in the first
+        tier as the policy chose at that tier's rate (`take`, cut to the run), or as much of the
+        whole hit as the policy chooses at the lower tiers' measured rate (`lower_meter`), which
+        ever is more. So a hit loads its RAM part, then what the drive delivers in time."""
+        fast = 0
+        for source, _, tier in r.hit_sources:
+            if tier or source is not None:
+                break
+            fast += 1
+        ram = min(take, max(0, fast * self.chunk_tokens - computed))
+        slow = self._choose(found, prompt, max_load, context=computed, batch=batch, meter=self.lower_meter)
+        return max(ram, slow)
+
     # -- planning copies ------------------------------------------------------------------
     def _queue_down(self, key: bytes, tier: int) -> None:
         """`key` was committed in `tier`: copy it to the next tier down (write-through)."""

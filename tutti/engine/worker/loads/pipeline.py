@@ -188,7 +188,12 @@ class LoadPipeline(DetachedLoads, LoadCore):
         else:  # every read was done before the forward needed it: no rate (faster than needed)
             rate_bytes, rate_s = 0, 0.0
         if not detached:
-            self.counters.add(bytes_loaded=self.step_bytes, load_seconds=span, rate_bytes=rate_bytes, rate_seconds=rate_s)
+            if any(ld.tier for ld in self.loads):  # a lower tier's reads set this step's pace: its own sample
+                self.counters.add(bytes_loaded=self.step_bytes, load_seconds=span, lower_rate_bytes=rate_bytes,
+                                  lower_rate_seconds=rate_s)
+            else:
+                self.counters.add(bytes_loaded=self.step_bytes, load_seconds=span, rate_bytes=rate_bytes,
+                                  rate_seconds=rate_s)
             self.step_bytes = 0
         if self._bad is not None:
             if self.ctx.cuda:
