@@ -236,9 +236,11 @@ def _foreign_index(cfg: EngineConfig, geom: Geometry, *, announce: bool = False)
                         interval_s=cfg.follow_interval_s, open_extras=open_extras if announce else None)
 
 
-def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file=None, access, maps, medium=None):
+def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file=None, access, maps, medium=None,
+                 decided: resolve.Decisions | None = None):
     """The worker's writer store, and cfg with the writer id it took: the configured one, or
-    for "auto" the first free slot of tutti.engine.claims (recorded under `engine_id`)."""
+    for "auto" the first free one of resolve.writer_candidates (recorded under `engine_id`, and
+    in `decided` with why)."""
     from tutti.store.chunk_store import StoreLockedError, WriterDirectoryTakenError
 
     def open_as(writer_id: str):
@@ -247,8 +249,8 @@ def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file
 
     if cfg.writer_id != claims.AUTO:
         return open_as(cfg.writer_id), cfg
-    multi = geom.num_workers > 1 or not cfg.verify_checksums  # see claims; checksums off: one writer only
-    tried = claims.candidates(multi)
+    rule = resolve.writer_candidates(cfg.writer_id, workers=geom.num_workers, checksums=cfg.verify_checksums)
+    tried = rule.value
     held = 0
     for i, wid in enumerate(tried):
         try:
@@ -258,9 +260,7 @@ def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file
             held += isinstance(exc, StoreLockedError)
             if i + 1 < len(tried) and held <= claims.MAX_AUTO_WRITERS:
                 continue
-            why = ("with several workers (TP/PP > 1) each rank would pick its slot on its own"
-                   if geom.num_workers > 1 else "verify_checksums is off" if not cfg.verify_checksums
-                   else f"all {held} writer slots are held")
+            why = rule.why if len(tried) == 1 else f"all {held} writer slots are held"
             raise StoreLockedError(
                 f"store roots {list(cfg.roots)}: the namespace's writer slot is held by another server and {why}; "
                 "give each server sharing this root its own \"writer_id\" (e.g. \"{host}-gpu0\")") from None
@@ -269,6 +269,8 @@ def _claim_store(cfg: EngineConfig, geom: Geometry, engine_id: str, *, open_file
                      "(writer_id auto)", wid)
         if engine_id:
             claims.record(engine_id, wid)
+        if decided is not None:
+            decided.take("writer_id", resolve.writer_taken(wid))
         return store, dataclasses.replace(cfg, writer_id=wid)
     raise AssertionError("unreachable")
 
@@ -285,8 +287,9 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
     from tutti.io.queue import open_queue
     from tutti.kernels import get_variant, segment_checksum
 
+    decided = resolve.Decisions()
     cfg = EngineConfig.of(raw_config, rank=rank).sized_staging(
-        segment_bytes=geom.segment_bytes, chunk_bytes=geom.chunk_bytes, step_tokens=step_tokens)
+        segment_bytes=geom.segment_bytes, chunk_bytes=geom.chunk_bytes, step_tokens=step_tokens, decided=decided)
     check_geometry(cfg, geom)
     mac = segment_mac(cfg) if mac is READ_SECRET else mac  # the secret is read once per half, before any IO
     codec = get_codec(cfg.codec)  # how segments are stored (tutti.codec): its name and stride join the namespace
@@ -299,7 +302,6 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
             f"KV cache layout: found H={layout.num_heads}, C={layout.content_bytes} B per (head, token) in the "
             f"KV cache tensors registered, but the model config says H={geom.num_heads}, C={geom.content_bytes}"
         )
-    decided = resolve.Decisions()
     kernel = get_variant(decided.take("kernel_variant", resolve.kernel_variant(cfg.kernel_variant,
                                                                               cuda=caches[0].is_cuda)))
     on_ram = all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots)
@@ -315,9 +317,9 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
 
     medium = get_medium(cfg.medium, open_file)  # where slab bytes live (tutti.store.medium)
     if cfg.writer_id == claims.AUTO and not geom.writes:  # a reader rank: the writer rank's slot ('')
-        cfg = dataclasses.replace(cfg, writer_id="")
+        cfg = dataclasses.replace(cfg, writer_id=decided.take("writer_id", resolve.writer_taken("", writes=False)))
     if geom.writes:
-        store, cfg = _claim_store(cfg, geom, engine_id, access=access, maps=maps, medium=medium)
+        store, cfg = _claim_store(cfg, geom, engine_id, access=access, maps=maps, medium=medium, decided=decided)
         store_roots = list(cfg.roots)
     else:  # read the writer rank's namespace, under the writer rank's roots
         wcfg = cfg.for_rank(rank - geom.tp_rank + geom.store_tp_rank)

@@ -28,13 +28,9 @@ _claims: dict[str, str] = {}  # vLLM engine id -> the writer id its worker took
 
 #: Names an "auto" worker looks at, at most: slots whose directory another member of the sharing
 #: group owns are passed over without counting (a member who plants `w-auto-N` directories can
-#: make a start-up look further, never stop it), up to this many names.
+#: make a start-up look further, never stop it), up to this many names. Which names, in what order
+#: and why: tutti.engine.config.resolve.writer_candidates.
 MAX_AUTO_NAMES = 4096
-
-
-def candidates(multi_rank: bool) -> list[str]:
-    """Writer ids an "auto" worker tries, in order (it stops after MAX_AUTO_WRITERS held ones)."""
-    return [""] if multi_rank else ["", *(f"auto-{n}" for n in range(1, MAX_AUTO_NAMES))]
 
 
 def record(engine_id: str, writer_id: str) -> None:

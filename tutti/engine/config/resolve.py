@@ -11,10 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tutti.engine import claims
 from tutti.engine.config.values import DEFAULT_WRITE_WINDOW
 
 #: idle_load_wait_s "auto" where tutti's loading thread loads: 2 ms (see EngineConfig.idle_load_wait_s)
 IDLE_WAIT_THREAD_S = 0.002
+#: The key "auto" staging is recorded under: its three numbers, in this order
+STAGING = "staging_bytes/staging_slots/max_inflight_stores"
+#: How the reason of "auto" staging starts where host memory cut the stores' room
+STAGING_CAPPED = "capped at a quarter of host memory"
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,10 @@ class Decisions:
 def _short(v: Any) -> str:
     if v is None:
         return "off"
+    if v == "":
+        return "''"
+    if isinstance(v, tuple):
+        return "/".join(_short(x) for x in v)
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int) and v >= 1 << 20:
@@ -143,3 +152,70 @@ def mapped_store_copy(value: str, *, cuda: bool) -> Choice:
 def lookahead(value: Any, *, num_layers: int) -> Choice:
     """"auto": as far as the load staging slots allow (every layer)."""
     return Choice(num_layers, "the load slots bound it") if value == "auto" else _given(value)
+
+
+def staging(value: tuple, *, segment_bytes: int, chunk_bytes: int, chunk_tokens: int, step_tokens: int | None,
+            memory_bytes: int | None) -> Choice:
+    """(staging_bytes, staging_slots, max_inflight_stores); "auto" (`value` the three as configured,
+    "auto" first): slots of about 8 MiB (whole segments), room for the stores of two steps of
+    `step_tokens` prefill tokens (one being gathered while the last is written: at the storage's
+    own pace nothing is skipped; 8192 where vLLM's budget is unknown), and load slots for four
+    chunks (at least 16, so the default lookahead fits any geometry). Capped at a quarter of
+    `memory_bytes` (the ring is pinned); the reason then starts with STAGING_CAPPED."""
+    if value[0] != "auto":
+        return _given(tuple(value))
+    slot = segment_bytes * max(1, (8 << 20) // segment_bytes)
+    step = step_tokens if step_tokens and step_tokens > 0 else 8192
+    step_chunks = -(-step // chunk_tokens)
+    store_chunks = want = max(4, 2 * step_chunks)
+    load_slots = max(16, -(-4 * chunk_bytes // slot))  # a lookahead past them is refused (validate)
+    cap = memory_bytes // 4 if memory_bytes else None
+    while True:
+        inflight = max(1, -(-store_chunks * chunk_bytes // slot))
+        total = (inflight + load_slots) * slot
+        if cap is None or total <= cap or store_chunks <= 2:
+            break
+        store_chunks -= 1
+    loads = "4 chunks of loads" if load_slots == -(-4 * chunk_bytes // slot) else f"{load_slots} load slots"
+    if store_chunks < want:
+        why = (f"{STAGING_CAPPED} (pinned): stores of more than {store_chunks} chunks in flight are skipped "
+               f"(a step of {step} tokens makes {step_chunks})")
+    else:
+        why = f"2 steps of {step} tokens of stores, {loads}"
+    return Choice((total, inflight + load_slots, inflight), why)
+
+
+def writer_candidates(value: str, *, workers: int, checksums: bool) -> Choice:
+    """The writer ids a writing worker tries for its store, in order (tutti.engine.claims): the
+    configured one; for "auto" the namespace's writer slot ('') and then auto-1, auto-2, ... (held
+    ones passed over, at most claims.MAX_AUTO_WRITERS), or the namespace's slot only where
+    several workers (TP/PP > 1) would each pick a slot on its own, or checksums are off (a writer
+    that trusts its own chunks unchecked must be the namespace's only one). Which one it took
+    needs the store's locks: `writer_taken` says why."""
+    if value != claims.AUTO:
+        return _given([value])
+    if workers > 1:
+        return Choice([""], "with several workers (TP/PP > 1) each rank would pick its slot on its own")
+    if not checksums:
+        return Choice([""], "verify_checksums is off")
+    return Choice(["", *(f"auto-{n}" for n in range(1, claims.MAX_AUTO_NAMES))],
+                  "the namespace's writer slot, else the first free auto-<n>")
+
+
+def writer_taken(writer_id: str, *, writes: bool = True) -> Choice:
+    """The writer id an "auto" worker took (`writes`: it writes; else a reader rank, which reads
+    its writer rank's slot)."""
+    if not writes:
+        return Choice("", "a reader rank: its writer rank's slot")
+    return Choice(writer_id, f"slot held: took {writer_id}" if writer_id else "the namespace's writer slot")
+
+
+def sync_load_budget_bytes(*, rate: float | None, overhead: float, prefill_rate: float | None, step_tokens: int,
+                           step_s: float = 0.0) -> float | None:
+    """sync_load_budget_bytes "auto", at run time: what the measured read `rate` (bytes/s, less
+    its fixed `overhead` seconds per load) moves while the GPU computes a full step of
+    `step_tokens` at `prefill_rate` (tokens/s), or `step_s` if longer; None while either rate is
+    unmeasured (no budget yet)."""
+    if not rate or not prefill_rate:
+        return None
+    return max(0.0, rate * (max(step_tokens / prefill_rate, step_s) - overhead))

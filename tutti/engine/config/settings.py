@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from tutti.engine.config import resolve
 from tutti.engine.config.values import (  # noqa: F401 - the configuration's names, importable from here
     ASYNC_LAUNCHES, DEFAULT_WRITE_WINDOW, MAPPED_STORE_COPIES, MAX_BYTES, READS_FIRST_BYTES, WHOLE_LOADS, ConfigError,
     check_zmq_endpoint, host_memory_bytes, human, parse_bytes, resolve_group, resolve_root, resolve_writer_id,
@@ -133,35 +134,23 @@ class EngineConfig:
         return self.staging_bytes == "auto"
 
     def sized_staging(self, *, segment_bytes: int, chunk_bytes: int, step_tokens: int | None,
-                      memory_bytes: int | None = None) -> "EngineConfig":
-        """This config with "auto" staging sized: slots of about 8 MiB (whole segments), room for
-        the stores of two steps of `step_tokens` prefill tokens (one being gathered while the last
-        is written: at the storage's own pace nothing is skipped), and load slots for four chunks
-        (at least 16, so the default lookahead fits any geometry). Capped at a quarter of host memory (pinned memory), logged when the cap
-        cuts the stores' room."""
+                      memory_bytes: int | None = None, decided=None) -> "EngineConfig":
+        """This config with "auto" staging sized for the geometry and vLLM's step (the rule:
+        tutti.engine.config.resolve.staging), recorded in `decided` (a resolve.Decisions) where
+        given; logged when host memory cuts the stores' room."""
         if not self.staging_auto:
             return self
         from dataclasses import replace
 
-        slot = segment_bytes * max(1, (8 << 20) // segment_bytes)
-        step = step_tokens if step_tokens and step_tokens > 0 else 8192
-        store_chunks = max(4, 2 * -(-step // self.chunk_tokens))
-        load_slots = max(16, -(-4 * chunk_bytes // slot))  # a lookahead past them is refused (validate)
-        mem = host_memory_bytes() if memory_bytes is None else memory_bytes
-        cap = mem // 4 if mem else None
-        want = store_chunks
-        while True:
-            inflight = max(1, -(-store_chunks * chunk_bytes // slot))
-            total = (inflight + load_slots) * slot
-            if cap is None or total <= cap or store_chunks <= 2:
-                break
-            store_chunks -= 1
-        if store_chunks < want:
-            log.warning("tutti: staging sized to %s (a quarter of host memory, pinned): stores of more than %d "
-                        "chunks in flight are skipped (a step of %d tokens makes %d); set staging_bytes, "
-                        "staging_slots and max_inflight_stores to size it yourself", human(total), store_chunks,
-                        step, -(-step // self.chunk_tokens))
-        out = replace(self, staging_bytes=total, staging_slots=inflight + load_slots, max_inflight_stores=inflight)
+        choice = resolve.staging((self.staging_bytes, self.staging_slots, self.max_inflight_stores),
+                                 segment_bytes=segment_bytes, chunk_bytes=chunk_bytes, chunk_tokens=self.chunk_tokens,
+                                 step_tokens=step_tokens,
+                                 memory_bytes=host_memory_bytes() if memory_bytes is None else memory_bytes)
+        total, slots, inflight = choice.value if decided is None else decided.take(resolve.STAGING, choice)
+        if choice.why.startswith(resolve.STAGING_CAPPED):
+            log.warning("tutti: staging sized to %s, %s; set staging_bytes, staging_slots and max_inflight_stores "
+                        "to size it yourself", human(total), choice.why)
+        out = replace(self, staging_bytes=total, staging_slots=slots, max_inflight_stores=inflight)
         out.validate()
         return out
 

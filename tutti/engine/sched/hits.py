@@ -184,11 +184,11 @@ class HitPlanning:
             return None
         if self.sync_budget != "auto":
             return float(self.sync_budget)
+        from tutti.engine.config import resolve
+
         overhead, rate = self.meter.load_model()
-        prefill = self.meter.prefill_rate
-        if not rate or not prefill:
-            return None
-        return max(0.0, rate * (max(self.step_tokens / prefill, step_s) - overhead))
+        return resolve.sync_load_budget_bytes(rate=rate, overhead=overhead, prefill_rate=self.meter.prefill_rate,
+                                              step_tokens=self.step_tokens, step_s=step_s)
 
     def wants_async(self, req_id: str) -> bool:
         """Whether the request's last lookup chose to load asynchronously."""
