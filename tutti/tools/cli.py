@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="recompute every stored segment's checksum; exit 1 on any mismatch")
     v.add_argument("roots", nargs="+", metavar="ROOT")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
+    v.add_argument("--codec", action="append", default=[], metavar="package.module:attr",
+                   help="the codec a namespace was written with (its `codec` key), to decode its segments before "
+                        "checking them; may be given more than once")
 
     b = sub.add_parser("bench", help="run a pytest-benchmark suite (kernels, io, tier or policy), saved and compared",
                        description="Runs bench/test_<KIND>_bench.py with --benchmark-only, autosaves the run "
@@ -213,7 +216,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"tutti inspect: error: {p}", file=sys.stderr)
         return EXIT_USAGE if problems else EXIT_OK
     if args.command == "verify":
-        res = verify_store(args.roots, progress=False if args.no_progress else None)
+        res = verify_store(args.roots, progress=False if args.no_progress else None, codecs=args.codec)
         for digest, slot, why in res.skipped:
             print(f"  skipped: namespace {digest} slot {slot}: {why}")
         if res.mismatches:

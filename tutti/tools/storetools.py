@@ -509,6 +509,8 @@ def inspect_data(roots: Sequence[str], capacity_bytes: int | None = None) -> lis
             if ns.manifest is not None:
                 d["fingerprint"] = ns.manifest.get("fingerprint")
                 d["slots_per_slab"] = ns.manifest.get("slots_per_slab")
+            if ns.fingerprint is not None:  # how segments are stored (tutti.codec); segment_bytes is then its stride
+                d["codec"] = ns.fingerprint.codec
             if ns.usable:
                 slabs, problems = _slab_stats(ns)
                 d["tool_errors"].extend(problems)
@@ -538,6 +540,9 @@ def _inspect_text(roots: Sequence[str], data: Sequence[dict[str, Any]]) -> list[
                 f"chunk {fp.get('chunk_tokens')} tokens  layers {fp.get('num_layers')}  H {fp.get('num_heads')}  "
                 f"C {fp.get('content_bytes')} B  segment {_size_or_raw(fp.get('segment_bytes'))}")
             lines.append(f"    ranks: tp {fp.get('tp_rank')}/{fp.get('tp_size')}  pp {fp.get('pp_rank')}/{fp.get('pp_size')}")
+        if d.get("codec") not in (None, "identity"):
+            lines.append(f"    codec {d['codec']}: segments stored encoded (segment is the stored stride); "
+                         "verify decodes them with --codec")
         if d.get("error"):
             lines.append(f"    ERROR: {d['error']}")
             continue
@@ -593,16 +598,21 @@ class VerifyResult:
 
 class _SegmentReader:
     """Reads one segment at a time into one reusable buffer (memory: one segment, whatever the
-    slot or store size) and checksums it."""
+    slot or store size) and checksums it; a namespace written with a codec: decoded first into a
+    second buffer of one raw segment (checksums cover the raw bytes)."""
 
-    def __init__(self, segment_bytes: int, crc_bytes: int | None = None, hybrid: bool = False) -> None:
+    def __init__(self, segment_bytes: int, crc_bytes: int | None = None, hybrid: bool = False,
+                 codec: Any = None, raw_bytes: int = 0) -> None:
         import torch
 
         from tutti.kernels import segment_checksum
 
-        self._buf = bytearray(segment_bytes)
+        self._buf = bytearray(segment_bytes)  # a layer's stride as stored
         self.view = memoryview(self._buf)
-        self._tensor = torch.frombuffer(self._buf, dtype=torch.uint8).view(1, segment_bytes)
+        self.codec = codec
+        self._raw = bytearray(raw_bytes) if codec is not None else self._buf
+        self._encoded = codec.max_encoded_bytes(raw_bytes) if codec is not None else segment_bytes
+        self._tensor = torch.frombuffer(self._raw, dtype=torch.uint8).view(1, len(self._raw))
         self._checksum = segment_checksum
         self.crc_bytes = crc_bytes  # a tier namespace: the CRC tag of the chunk's content bytes
         self.hybrid = hybrid  # several KV cache groups: a segment journaled 0 was not written
@@ -611,10 +621,20 @@ class _SegmentReader:
         return _pread_into(fd, self.view, pos)
 
     def checksum(self) -> int:
+        """The checksum of the segment read last; ValueError where a codec's stored bytes do not
+        decode (hostile or damaged bytes: the codec's contract)."""
+        if self.codec is not None:
+            try:
+                self.codec.decode(self.view[:self._encoded], memoryview(self._raw))
+            except ValueError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the codec's own bug: not the store's damage
+                raise ToolError(f"codec {self.codec.name!r} failed while decoding ({type(exc).__name__}: {exc}); "
+                                "check the codec given with --codec") from None
         if self.crc_bytes is not None:
             from tutti.store.integrity import crc_tag
 
-            return crc_tag(self.view[:self.crc_bytes])
+            return crc_tag(memoryview(self._raw)[:self.crc_bytes])
         return int(self._checksum(self._tensor).reshape(-1)[0]) & _U64
 
 
@@ -647,7 +667,12 @@ def _check_slot(ns: StoreNamespace, fd: int, slot: int, entry: Any, seg: _Segmen
         if layer >= len(entry.checksums):
             bad.append(Mismatch(ns.digest, slot, layer, "no checksum journaled for this layer"))
             continue
-        want, got = int(entry.checksums[layer]) & _U64, seg.checksum()
+        try:
+            want, got = int(entry.checksums[layer]) & _U64, seg.checksum()
+        except ValueError as exc:
+            bad.append(Mismatch(ns.digest, slot, layer,
+                                f"does not decode with codec {seg.codec.name!r}: {exc} ({path} offset {pos})"))
+            continue
         if want != got:
             bad.append(Mismatch(ns.digest, slot, layer,
                                 f"checksum mismatch: journal {want:#018x}, data {got:#018x} ({path} offset {pos})"))
@@ -659,10 +684,14 @@ def _missing_slab(ns: StoreNamespace, slot: int) -> list[Mismatch]:
                                             "this chunk")]
 
 
-def _verify_namespace(ns: StoreNamespace, res: VerifyResult, bar: Any) -> None:
-    extra = dict(ns.fingerprint.extra)
-    seg = _SegmentReader(ns.segment_bytes, ns.fingerprint.content_bytes if extra.get("integrity") == CRC_TAG else None,
-                         hybrid=bool(extra.get("groups")))
+def _verify_namespace(ns: StoreNamespace, res: VerifyResult, bar: Any, codec: Any = None) -> None:
+    from tutti.format import segment_bytes
+
+    fp = ns.fingerprint
+    extra = dict(fp.extra)
+    seg = _SegmentReader(ns.segment_bytes, fp.content_bytes if extra.get("integrity") == CRC_TAG else None,
+                         hybrid=bool(extra.get("groups")), codec=codec,
+                         raw_bytes=segment_bytes(fp.chunk_tokens, fp.num_heads * fp.content_bytes))
     fds: dict[tuple[int, int], int | None] = {}  # the slab being read (one open at a time)
     failed: dict[tuple[int, int], list] = {}  # slab -> [message, chunks not checked]
 
@@ -726,11 +755,63 @@ def _verify_namespace(ns: StoreNamespace, res: VerifyResult, bar: Any) -> None:
         res.errors.append(f"{msg} ({count} chunk(s) not checked)")
 
 
-def verify_store(roots: Sequence[str], *, progress: bool | None = None) -> VerifyResult:
+def _given_codecs(specs: Sequence[Any]) -> list[Any]:
+    """The codecs named with --codec ("package.module:attr" or a registered name), made."""
+    from tutti.codec import get_codec
+
+    out = []
+    for spec in specs:
+        try:
+            out.append(get_codec(spec))
+        except ValueError as exc:
+            raise CliError(f"--codec {spec!r}: {exc}") from None
+    return out
+
+
+def _namespace_codec(ns: StoreNamespace, given: Sequence[Any]) -> tuple[Any, str | None]:
+    """(the codec that decodes `ns`'s segments, None for "identity"; why it cannot be checked,
+    or None): one given with --codec, else one this process has registered, of the name its
+    fingerprint records and the stride its manifest says."""
+    from tutti.codec import available_codecs, encoded_stride, get_codec
+    from tutti.format import segment_bytes
+
+    name = ns.fingerprint.codec
+    if name == "identity":
+        return None, None
+    found = [c for c in given if c.name == name]
+    if not found:
+        for registered in available_codecs():
+            try:
+                codec = get_codec(registered)
+            except ValueError:
+                continue
+            if codec.name == name:
+                found.append(codec)
+                break
+    if not found:
+        return None, (f"namespace {ns.path!r}: written with codec {name!r}: pass --codec package.module:attr "
+                      "(the codec of that name) to check it")
+    raw = segment_bytes(ns.fingerprint.chunk_tokens, ns.fingerprint.num_heads * ns.fingerprint.content_bytes)
+    try:
+        stride = encoded_stride(found[0], raw)
+    except ValueError as exc:
+        return None, f"namespace {ns.path!r}: written with codec {name!r}: {exc}"
+    if stride != ns.segment_bytes:
+        return None, (f"namespace {ns.path!r}: written with codec {name!r} at a stride of {ns.segment_bytes} B; "
+                      f"the codec of that name given here encodes into {stride} B: pass the codec it was "
+                      "written with (--codec) to check it")
+    return found[0], None
+
+
+def verify_store(roots: Sequence[str], *, progress: bool | None = None, codecs: Sequence[Any] = ()) -> VerifyResult:
     """Read every stored segment (one at a time), recompute its checksum, compare with the journal;
     a mismatch is re-checked against the journal read again (a live writer may have rewritten
     the slot) before it is reported. What the tool cannot read goes to `errors`, never to
-    `mismatches`."""
+    `mismatches`. A namespace written with a codec is decoded first (checksums cover the raw
+    bytes) with the codec of its name from `codecs` ("package.module:attr", a registered name
+    or a codec object) or this process's registry; without one it is not checked (an error that
+    says to pass --codec), never reported corrupt."""
+    given = _given_codecs(codecs)
     try:
         from tqdm import tqdm
     except ImportError:  # no progress bar, same result
@@ -761,7 +842,12 @@ def verify_store(roots: Sequence[str], *, progress: bool | None = None) -> Verif
                                   "checksums; verify cannot check them without the server's secret")
                 bar.update(len(ns.entries))
                 continue
-            _verify_namespace(ns, res, bar)
+            codec, unchecked = _namespace_codec(ns, given)
+            if unchecked is not None:
+                res.errors.append(unchecked)
+                bar.update(len(ns.entries))
+                continue
+            _verify_namespace(ns, res, bar, codec)
         bar.close()
     finally:
         _close_all(nss)
