@@ -329,13 +329,21 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
         store = ReplicaReader(list(wcfg.roots), geom.fingerprint(), capacity_bytes=cfg.capacity_bytes,
                               slots_per_slab=cfg.slots_per_slab, medium=medium, access=access,
                               max_open_slabs=cfg.max_open_slabs, map_ram=False, writer_id=cfg.writer_id)
+    from tutti.store.chunk_store import StoreLockedError, WriterDirectoryTakenError
+
     lower = []  # the tiers below (tutti.engine.worker.tiers): this writer's own store in each, never mapped
     try:
         for i in range(1, 1 + len(cfg.tiers)):
             tcfg = cfg.tier(i)
             check_capacity(tcfg, geom)
-            lower.append(open_store(tcfg, tcfg.roots, geom.fingerprint(), writer_id=cfg.writer_id, writer=geom.writes,
-                                    medium=medium, access=access))
+            try:
+                lower.append(open_store(tcfg, tcfg.roots, geom.fingerprint(), writer_id=cfg.writer_id,
+                                        writer=geom.writes, medium=medium, access=access))
+            except (StoreLockedError, WriterDirectoryTakenError) as exc:
+                raise StoreLockedError(
+                    f"tiers[{i}] roots {list(tcfg.roots)}: writer {cfg.writer_id!r} is held there by another server "
+                    f"({exc}); a tier shared by several servers needs each server's own \"writer_id\" (e.g. "
+                    "\"{host}-gpu0\")") from None
     except Exception:
         for st in [store, *lower]:
             st.close()

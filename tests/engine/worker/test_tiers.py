@@ -1,0 +1,78 @@
+"""The worker's tiers (tutti.engine.worker.tiers): a chunk copied from tier 0 to tier 1 off the
+forward thread, its bytes and checksums carried whole; a load served from tier 1 gives the bytes
+stored; a copy whose source is gone fails alone; a lower tier held by another server is refused
+with the fix."""
+
+import pytest
+import torch
+
+from tutti.engine.plan import CopyChunk, LoadChunk, StepPlan, StoreChunk
+from tutti.store.chunk_store import StoreLockedError
+
+from worker_helpers import block_bytes, config, geometry, make_caches, run_step, views  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("device")
+
+
+def tiered(tmp_path, caches, writer_id="", disk=None):
+    cfg = config(tmp_path / "ram", writer_id=writer_id)
+    cap = cfg.pop("capacity_bytes")
+    del cfg["root"]
+    cfg["tiers"] = [{"root": str(tmp_path / "ram"), "capacity_bytes": cap},
+                    {"root": str(disk or tmp_path / "disk"), "capacity_bytes": 4 * cap}]
+    from tutti.engine.build import build_worker
+    from tutti.kernels import PagedLayout
+
+    v = views(caches)
+    return build_worker(cfg, geometry(), caches=v, layout=PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim")))
+
+
+def test_a_chunk_copied_down_loads_back_from_the_lower_tier_bit_exact(tmp_path):
+    caches = make_caches(1)
+    w = tiered(tmp_path, caches)
+    key = b"k" * 32
+    want = block_bytes(caches, [2, 3])
+    run_step(w, StepPlan(1, stores=[StoreChunk("r", key, 5, (2, 3), ticket=1)]))
+    w.flush()
+    assert w.take_report().stored == [1]
+    run_step(w, StepPlan(2, copies=[CopyChunk(key, 0, 5, 1, 9, ticket=2)]))
+    w.flush()
+    rep = w.take_report()
+    assert rep.stored == [2] and not rep.store_failed
+    lower, journal = w.ctx.lower[0]
+    assert lower.get(9).key == key and journal.checksums(9, key) == w.journal.checksums(5, key)
+    for c in caches:
+        c[[10, 11]] = 0
+    run_step(w, StepPlan(3, loads=[LoadChunk("q", key, 9, (10, 11), tier=1)]))
+    w.flush()
+    rep = w.take_report()
+    assert not rep.load_failed and rep.steps_done
+    got = block_bytes(caches, [10, 11])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    w.close()
+
+
+def test_a_copy_whose_source_is_gone_fails_alone(tmp_path):
+    caches = make_caches(2)
+    w = tiered(tmp_path, caches)
+    run_step(w, StepPlan(1, stores=[StoreChunk("r", b"a" * 32, 0, (2, 3), ticket=1)]))
+    w.flush()
+    w.take_report()
+    run_step(w, StepPlan(2, copies=[CopyChunk(b"b" * 32, 0, 0, 1, 0, ticket=7),  # not what slot 0 holds
+                                    CopyChunk(b"a" * 32, 0, 0, 1, 1, ticket=8)]))
+    w.flush()
+    rep = w.take_report()
+    assert rep.store_failed == [7] and rep.stored == [8] and w.copier.failed == 1
+    w.close()
+
+
+def test_a_lower_tier_another_server_writes_as_this_writer_is_refused_with_the_fix(tmp_path):
+    caches = make_caches(3)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = tiered(tmp_path / "a", caches, writer_id="n1", disk=tmp_path / "disk")
+    # the second server: its own RAM tier, the first one's disk tier, the same writer id
+    with pytest.raises(StoreLockedError, match=r"tiers\[1\] roots .*writer 'n1' is held there.*own \"writer_id\""):
+        tiered(tmp_path / "b", caches, writer_id="n1", disk=tmp_path / "disk")
+    tiered(tmp_path / "b", caches, writer_id="n2", disk=tmp_path / "disk").close()  # its own id: fine
+    first.close()
