@@ -5,6 +5,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# GlusterFS for tests/distributed/ (a real distributed file system brought up on this machine):
+# Debian's packages, where apt-get is and we are root; elsewhere those tests skip (or fail, with
+# CI set) and everything else still installs.
+if ! { command -v glusterd || [ -x /usr/sbin/glusterd ]; } >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    gl_start=$SECONDS
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends glusterfs-server glusterfs-client \
+        iproute2 >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends glusterfs-server \
+          glusterfs-client iproute2 >/dev/null; }; } &&
+      echo "setup: GlusterFS installed ($((SECONDS - gl_start)) s)" >&2 ||
+      echo "setup: GlusterFS could not be installed from apt; tests/distributed/ will skip (fail with CI set)" >&2
+  else
+    echo "setup: no apt-get as root here: GlusterFS (glusterfs-server, glusterfs-client) not installed;" \
+         "tests/distributed/ will skip (fail with CI set)" >&2
+  fi
+fi
 # Where it installs: about 200 packages (3.3 GB). In a virtual environment they stay there.
 if "$PY" -c "import sys; sys.exit(sys.prefix != sys.base_prefix)"; then
   echo "setup: installing into $("$PY" -c 'import sys; print(sys.executable)') (not a virtual environment;" \
