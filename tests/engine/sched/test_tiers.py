@@ -139,3 +139,50 @@ def test_a_hit_loads_its_ram_part_and_prices_the_rest_by_the_lower_tiers_rate():
     slow = planner_with(1e4)
     assert slow.match("a", toks, 0) == 2 * T  # the RAM part only: the drive is slower than recomputing
     assert slow._reqs["a"].declined == 2 * T
+
+
+def back(ram=16, disk=64):
+    return Planner(num_slots=ram, chunk_tokens=T, block_size=BS, seed=namespace_seed("t"), num_workers=1,
+                   slot_bytes=4096, lower=[LowerTier(ChunkIndex(disk), "disk")], write_policy="back")
+
+
+def one_chunk(p, i, copies=True):
+    """Store the one-chunk prompt i and report every copy the next step plans."""
+    plan = prefill(p, f"r{i}", list(range(100 * i, 100 * i + 65)), [1, 2, 3])
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    nxt = p.build_step({}, {})
+    if copies:
+        p.on_report(WorkerReport(stored=[c.ticket for c in nxt.copies]))
+    return plan.stores[0].key if plan.stores else None, nxt.copies
+
+
+def test_write_back_writes_nothing_while_the_working_set_fits_the_first_tier():
+    p = back(ram=16)
+    for i in range(13):  # 13 of 16 slots: more left than two steps of stores (one chunk each)
+        _, copies = one_chunk(p, i)
+        assert copies == []
+    assert len(p.lower[0].index) == 0 and p.tier_stats.writedowns[1] == 0
+
+
+def test_write_back_writes_down_the_evicting_end_first_and_evicts_only_clean_chunks():
+    p = back(ram=16)
+    keys = [one_chunk(p, i)[0] for i in range(15)]  # the 15th leaves one slot: the oldest is written down
+    assert keys[0] in p.lower[0].index and p.tier_stats.writedowns[1] >= 1
+    for i in range(15, 40):  # a working set past the first tier: every eviction finds a clean chunk
+        one_chunk(p, i)
+    assert p.tier_stats.evictions[0] == 40 - 16 and p.tier_stats.dropped == 0
+    assert all(k in p.index or k in p.lower[0].index for k in keys)  # nothing lost
+    assert p.tier_stats.writedowns[1] < 40  # the chunks still in the first tier were never written
+
+
+def test_write_back_counts_a_dirty_chunk_a_burst_evicts_unwritten_as_dropped():
+    p = back(ram=8)
+    for i in range(8):  # the drive refuses every write-down: the first tier fills with dirty chunks
+        plan = prefill(p, f"r{i}", list(range(100 * i, 100 * i + 65)), [1, 2, 3])
+        p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores],
+                                 store_failed=[c.ticket for c in plan.copies]))
+    assert p.tier_stats.dropped == 0 and len(p.lower[0].index) == 0  # a failed write-down alone loses nothing
+    burst = prefill(p, "burst", list(range(5000, 5000 + 4 * 64 + 1)), list(range(10, 19)))
+    # the burst's 4 stores evict 4 dirty chunks (the write-downs just planned hold theirs): dropped
+    assert len(burst.stores) == 4 and p.tier_stats.evictions[0] == 4 and p.tier_stats.dropped == 4
+    assert all(p.index.is_pinned(c.key) for c in burst.copies)

@@ -184,10 +184,11 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "tier holding it; each tier keeps its own capacity, eviction, journal and checksums.",
         [{"root": "/dev/shm/tutti", "capacity_bytes": "64GiB"}, {"root": "/mnt/nvme/tutti", "capacity_bytes": "2TiB"}],
         lambda n, v: v),
-    Key("write_policy", "essential", "\"through\"",
-        "With tiers: \"through\" copies every chunk the first tier commits down to the next, off the forward "
-        "thread; a hit from a lower tier is copied back up when admission agrees.", "through",
-        choice(("through",), "how chunks reach the lower tiers")),
+    Key("write_policy", "essential", "\"through\" or \"back\"",
+        "With tiers: \"through\" copies every chunk a tier commits down to the next, off the forward thread; "
+        "\"back\" only those nearing eviction from a full tier that admission finds worth a drive write. A "
+        "hit from a lower tier is copied back up when admission agrees.", "through",
+        choice(("through", "back"), "how chunks reach the lower tiers")),
     Key("chunk_tokens", "essential", "an integer in [1, 1048576], a multiple of vLLM's block size",
         "Tokens per stored chunk: the unit of a hit, a store and an eviction.", 256, integer(1, 1 << 20)),
     Key("medium", "tuning", "\"file\", a registered name or \"package.module:attr\"",

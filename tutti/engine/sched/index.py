@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from tutti.engine.sched.eviction import LRU, EvictionPolicy
+
+
+#: dirty chunks a full store looks past for a clean one to evict
+DIRTY_SCAN = 64
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,9 @@ class ChunkIndex:
         self._free: list[int] = []
         self._next = 0
         self.evictions = 0
+        # Chunks no tier below holds yet (tutti.engine.sched.tiers, write_policy "back"): a full
+        # store gives up a clean chunk before a dirty one (None: every chunk is clean)
+        self.dirty: Callable[[bytes], bool] | None = None
 
     # -- queries -------------------------------------------------------------------------
     def __contains__(self, key: bytes) -> bool:
@@ -112,8 +119,7 @@ class ChunkIndex:
                 self._free.append(self._next)
                 self._next += 1
             if not self._free:
-                victim = next((k for k in self.eviction.order() if k in self._resident and not self.is_pinned(k)),
-                              None)
+                victim = self._victim()
                 if victim is None:
                     declined.append(key)
                     continue
@@ -125,6 +131,23 @@ class ChunkIndex:
             self._pending[key] = slot
             slots[key] = slot
         return StoreReservation(slots, evicted, declined)
+
+    def _victim(self) -> bytes | None:
+        """The first unpinned resident chunk in eviction order; with `dirty`, the first clean one
+        among the next DIRTY_SCAN, else the first dirty one (its eviction loses it)."""
+        fallback = None
+        scanned = 0
+        for k in self.eviction.order():
+            if k not in self._resident or self.is_pinned(k):
+                continue
+            if self.dirty is None or not self.dirty(k):
+                return k
+            if fallback is None:
+                fallback = k
+            scanned += 1
+            if scanned >= DIRTY_SCAN:
+                break
+        return fallback
 
     def commit(self, key: bytes) -> bool:
         """Make a pending store resident (most recently used). False if it was not pending."""

@@ -51,6 +51,10 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
         self.lower: list[LowerTier] = list(lower)
         self.write_policy = write_policy
         self.tier_stats = TierStats.new(1 + len(self.lower))
+        if write_policy == "back":  # a full tier gives up chunks held below first
+            for t in range(len(self.lower)):
+                self.tier_index(t).dirty = self._dirty(t)
+        self._burst = 0  # the most chunks a recent step stored (decaying): what "back" keeps clean ahead
         self._down: list[tuple[bytes, int]] = []  # committed in a tier, to be copied to the next one down
         self._up: list[tuple[bytes, int]] = []  # loaded from a lower tier, to be promoted into tier 0
         self.chunk_tokens = chunk_tokens

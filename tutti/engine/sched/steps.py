@@ -161,6 +161,8 @@ class StepPlanning:
                 plan.stores.append(StoreChunk(r.req_id, key, slot, blocks, ticket))
                 r.had_stores = True
                 self.stats.stores_planned += 1
+        if self.lower:  # the stores a step makes, recently at most (write_policy "back" keeps that many clean)
+            self._burst = max(len(plan.stores), int(self._burst * 0.95))
         if plan.loads:
             self._sent(plan.step, plan.loads)
         if pins:

@@ -3,12 +3,16 @@ policy), the write-downs that fill them and the promotions that bring a hit back
 
 Tier 0 is the planner's own `index`: the fastest (RAM), where every new chunk lands. With
 write_policy "through", a chunk committed in tier t is copied down to tier t + 1 by the worker's
-copier, off the forward thread (tutti.engine.worker.tiers); a chunk a hit loaded from a lower
+copier, off the forward thread (tutti.engine.worker.tiers). With "back", a chunk is copied down
+only when it nears the evicting end of its full tier (the next BACK_AHEAD share of its slots in
+eviction order, or twice the most chunks a recent step stored, whichever is more) and admission
+agrees it is worth a drive write: a working set that fits the tier
+never writes the drive. The tier then gives up clean chunks (held below) before dirty ones, and a
+dirty chunk it must give up anyway is counted as dropped. A chunk a hit loaded from a lower
 tier is copied up into tier 0 when tier 0's admission agrees (a promotion). The source of a copy
-is pinned until the copy is reported, so a tier-0 chunk is never evicted before its write-down
-is down: a chunk tier 0 evicts is in tier 1 already, or its write-down found no room there and
-was counted as dropped. A chunk is announced ("stored") when the first tier takes it and
-withdrawn ("removed") when the last tier gives it up.
+is pinned until the copy is reported, so a chunk is never evicted while its write-down is in
+flight. A chunk is announced ("stored") when the first tier takes it and withdrawn ("removed")
+when the last tier gives it up.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from tutti.engine.sched.requests import StoreTicket
 
 log = logging.getLogger("tutti.engine")
 
-WRITE_POLICIES = ("through",)
+WRITE_POLICIES = ("through", "back")
+#: write_policy "back": the share of a full tier's slots, at its evicting end, kept written down
+BACK_AHEAD = 1 / 16
 
 
 @dataclass
@@ -85,6 +91,8 @@ class TierPlanning:
         gone = [k for k in keys if not self.held_anywhere(k, but=tier)]
         if gone:
             self._events.append(("removed", gone))
+            if self.write_policy == "back" and tier < len(self.lower):
+                self.tier_stats.dropped += len(gone)  # dirty: it left the hierarchy unwritten
 
     # -- pricing a hit across tiers -------------------------------------------------------
     def _tiered_take(self, r, take: int, found: int, prompt: int, max_load: int | None, computed: int,
@@ -115,6 +123,9 @@ class TierPlanning:
 
     def _plan_copies(self, plan: StepPlan) -> None:
         """The step's write-downs and promotions, planned before its stores evict anything."""
+        if self.write_policy == "back":
+            for t in range(len(self.lower)):
+                self._clean_ahead(t)
         down, self._down = self._down, []
         up, self._up = self._up, []
         for key, src in dict.fromkeys(down):
@@ -125,6 +136,32 @@ class TierPlanning:
             if not isinstance(self.admission, AdmitAll) and not self._promote_admitted(key):
                 continue
             self._plan_copy(plan, key, src, 0)
+
+    def _clean_ahead(self, tier: int) -> None:
+        """write_policy "back": once `tier` is nearly full, queue the write-down of the dirty
+        chunks at its evicting end (the next BACK_AHEAD of its slots, or two recent steps' stores)
+        that admission finds worth a drive write, so that when it evicts them they are held below."""
+        index = self.tier_index(tier)
+        ahead = min(index.num_slots, max(1, int(index.num_slots * BACK_AHEAD), 2 * self._burst))
+        if index.used_slots + ahead < index.num_slots:
+            return  # room left: nothing is evicted soon, nothing is written
+        seen = 0
+        for key in index.eviction.order():
+            if seen >= ahead:
+                break
+            if key not in index or index.is_pinned(key):
+                continue
+            seen += 1
+            if self._in_lower(key, below=tier) is None and self._worth_writing(key):
+                self._down.append((key, tier))
+
+    def _dirty(self, tier: int):
+        """`tier`'s chunks no tier below holds (ChunkIndex.dirty, write_policy "back")."""
+        return lambda key: self._in_lower(key, below=tier) is None and not any(
+            self.tier_index(t).is_pending(key) for t in range(tier + 1, self.num_tiers))
+
+    def _worth_writing(self, key: bytes) -> bool:
+        return isinstance(self.admission, AdmitAll) or self._promote_admitted(key)
 
     def _promote_admitted(self, key: bytes) -> bool:
         cand = StoreCandidate(key=key, req_id="", chunk=0, prompt_chunks=1, state=False, resident=len(self.index),
@@ -146,7 +183,7 @@ class TierPlanning:
         self._removed(dst, list(res.evicted))
         slot = res.slots.get(key)
         if slot is None:  # every slot below is pinned or pending: the chunk is not written down
-            if dst > src:
+            if dst > src and self.write_policy == "through":  # ("back": counted if it is evicted unwritten)
                 self.tier_stats.dropped += 1
             return
         s_index.pin([key])
@@ -163,7 +200,7 @@ class TierPlanning:
         d_index = self.tier_index(dst)
         if not ok:
             d_index.abort(tk.key)
-            if dst > src:
+            if dst > src and self.write_policy == "through":  # ("back": counted if it is evicted unwritten)
                 self.tier_stats.dropped += 1
             return
         if not d_index.commit(tk.key):
