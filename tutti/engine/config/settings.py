@@ -12,21 +12,11 @@ from typing import Any, Mapping
 from tutti.engine.config import resolve
 from tutti.engine.config.values import (  # noqa: F401 - the configuration's names, importable from here
     ASYNC_LAUNCHES, DEFAULT_WRITE_WINDOW, MAPPED_STORE_COPIES, MAX_BYTES, READS_FIRST_BYTES, WHOLE_LOADS, ConfigError,
+    TierConfig,
     check_zmq_endpoint, host_memory_bytes, human, parse_bytes, resolve_group, resolve_root, resolve_writer_id,
 )
 
 log = logging.getLogger("tutti.engine")
-
-@dataclass(frozen=True)
-class TierConfig:
-    """One tier below the first (the `tiers` key): its roots, capacity, and eviction policy where
-    it has its own (None: the first tier's). The IO backend is the worker's one queue."""
-
-    roots: tuple[str, ...]
-    root_templates: tuple[str, ...]
-    capacity_bytes: int
-    eviction_policy: str | None = None
-
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from tutti.engine.config.values import (
-    ASYNC_LAUNCHES, MAPPED_STORE_COPIES, WHOLE_LOADS, ConfigError, check_zmq_endpoint, parse_bytes, resolve_group,
-    resolve_writer_id, size_or_keyword,
+    ASYNC_LAUNCHES, MAPPED_STORE_COPIES, WHOLE_LOADS, ConfigError, TierConfig, check_zmq_endpoint, parse_bytes,
+    resolve_group, resolve_writer_id, size_or_keyword,
 )
 
 Parse = Callable[[str, Any], Any]
@@ -327,7 +327,6 @@ def parse_tiers(raw: dict, rank: int) -> tuple:
     """`tiers`, popped from `raw`: its first entry becomes `raw`'s root and capacity (and its
     eviction_policy, unless given at the top level), the rest the lower tiers
     (TierConfig each, fastest first). Nothing here when `tiers` is not given."""
-    from tutti.engine.config.settings import TierConfig
 
     if "tiers" not in raw:
         return ()

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("tutti.engine")
@@ -19,6 +20,17 @@ _SIZE_HINT = "expected a byte count such as 1073741824 or '64GiB'"
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
           "tib": 1 << 40}
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One tier below the first (the `tiers` key): its roots, capacity, and eviction policy where
+    it has its own (None: the first tier's). The IO backend is the worker's one queue."""
+
+    roots: tuple[str, ...]
+    root_templates: tuple[str, ...]
+    capacity_bytes: int
+    eviction_policy: str | None = None
 
 
 class ConfigError(ValueError):
