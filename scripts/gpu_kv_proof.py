@@ -18,6 +18,9 @@ through `LLM.collective_rpc`:
     chunks (vLLM recomputes from there) and still give the first prefill's tokens
   negative controls: the hit with its loads left out (the noise stays), and the store scrambled
     with `verify_checksums` off: both must give other tokens
+  `tiered`: the same over `tiers` (a RAM tier of one prompt's chunks in front of a disk tier);
+    before each hit a filler prompt of the same length pushes the prompt's chunks out of the RAM
+    tier, so the hit loads from the disk tier (`tiers` in the results: the loads per tier)
 
     python3 scripts/gpu_kv_proof.py --out /tmp/kv_proof            # on the GPU machine
     python3 scripts/gpu_kv_proof.py --out /tmp/kv_proof --tiny     # the CPU smoke run
@@ -47,6 +50,7 @@ CASES = {
     "mapped_async": ({"mapped_loads": True, "async_loads": True}, {}),
     "mapped_layerwise": ({"mapped_loads": True, "async_loads": False}, {}),
     "mapped_layerwise_sync_sched": ({"mapped_loads": True, "async_loads": False}, {"async_scheduling": False}),
+    "tiered": ({}, {}),  # `tiers` instead of `root` (run_case), hits from the disk tier
 }
 
 
@@ -105,10 +109,12 @@ def rpc_install(self) -> dict:
 
     w = _tutti(self)
     if getattr(w, "_probe", None) is None:
-        w._probe = {"steps": [], "failed": [], "ref": {}}
+        w._probe = {"steps": [], "failed": [], "ref": {}, "tiers": {}}
         start = w.start_step
 
         def start_step(plan, *, layerwise=True):
+            for ld in list(plan.loads) + list(plan.async_loads):
+                w._probe["tiers"][ld.tier] = w._probe["tiers"].get(ld.tier, 0) + 1
             w._probe["steps"].append((plan.step, layerwise, [(ld.key, ld.slot, tuple(ld.block_ids), ld.skip_blocks,
                                                               ld.keep_blocks)
                                                              for ld in list(plan.loads) + list(plan.async_loads)],
@@ -127,6 +133,29 @@ def rpc_install(self) -> dict:
             lp.fail = types.MethodType(_fail, lp)
     return {"maps": bool(w.loads.maps), "async_loads": w.async_loads is not None, "layers": w.ctx.num_layers, "seg": w.ctx.seg,
             "cuda": w.ctx.cuda, "kernel": w.kernel.name}
+
+
+def rpc_tiers(self) -> dict:
+    """Chunks loaded from each tier since the last call."""
+    w = _tutti(self)
+    out, w._probe["tiers"] = dict(w._probe["tiers"]), {}
+    return {str(k): v for k, v in out.items()}
+
+
+def _tiers(a, model: str, lengths: list[int]) -> list[dict]:
+    """The `tiered` case's tiers: RAM (under --root) holding one prompt of the longest length
+    and a little more, in front of a disk tier of --capacity (on /tmp)."""
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    heads = c.get("num_key_value_heads", c["num_attention_heads"])
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    slot = c["num_hidden_layers"] * heads * head_dim * 2 * (4 if a.tiny else 2) * CHUNK
+    ram_chunks = max(lengths) // CHUNK + 2  # (the fillers before a hit push this many out)
+    os.makedirs(a.root, exist_ok=True)
+    disk = os.path.join("/tmp", os.path.basename(a.root) + "-disk")
+    shutil.rmtree(disk, ignore_errors=True)
+    return [{"root": os.path.join(a.root, "ram"), "capacity_bytes": ram_chunks * slot},
+            {"root": disk, "capacity_bytes": a.capacity}]
 
 
 def _gather(w, block_ids):
@@ -337,6 +366,9 @@ def run_case(case: str, a) -> dict:
     # file path "auto" rightly recomputes once it has measured that reading is slower)
     extra = {"root": a.root, "capacity_bytes": a.capacity, "chunk_tokens": CHUNK, "hit_policy": "always",
              **staging, **keys}
+    if case == "tiered":
+        del extra["root"], extra["capacity_bytes"]
+        extra["tiers"] = _tiers(a, a.model, a.lengths)
     kvt = {"kv_connector": "TuttiConnectorV1", "kv_connector_module_path": "tutti.vllm.connector",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     max_len = max(a.lengths) + CHUNK + 64
@@ -406,10 +438,20 @@ def run_case(case: str, a) -> dict:
         toks_v, cached_v, _ = gen(p)
         rec["vllm_prefix_cache"] = {"tokens": toks_v, "cached": cached_v, "tokens_equal_first": toks_v == toks}
         progress(f"hit_{n}: vLLM's prefix cache in the hit's shape done; the hit")
+        if case == "tiered":  # the prompt's chunks written down, then pushed out of the RAM tier
+            for _ in range(4):
+                gen(prompt(998, 8, a.vocab), 1)
+            ram_chunks = max(a.lengths) // CHUNK + 2  # _tiers: the RAM tier's size
+            for i in range(-(-ram_chunks // max(1, n // CHUNK))):
+                gen(prompt(5000 + 10 * n + i, n, a.vocab), 1)
+            for _ in range(4):
+                gen(prompt(997, 8, a.vocab), 1)
+            rpc(rpc_tiers)
         fresh(n)
         toks2, cached2, dt2 = gen(p)
         rec["hit"] = {"tokens_equal": toks2 == toks, "cached": cached2, "s": round(dt2, 3), "tokens": toks2,
                       "tokens_equal_vllm_prefix_cache": toks2 == toks_v}
+        rec["tiers"] = rpc(rpc_tiers)  # chunks the hit loaded from each tier
         rec["blocks"] = rpc(rpc_compare, f"hit_{n}")
         out[f"hit_{n}"] = rec
 
@@ -463,6 +505,8 @@ def summarize(r: dict) -> dict:
     for name, v in res.items():
         b = v.get("blocks", {})
         s[name] = {k: v[k] for k in ("tokens_equal", "tokens_differ", "cached", "exactly_those_failed") if k in v}
+        if "tiers" in v:
+            s[name]["loads_by_tier"] = v["tiers"]
         if "hit" in v:
             s[name].update(tokens_equal=v["hit"]["tokens_equal"], cached=v["hit"]["cached"], hit_s=v["hit"]["s"],
                            first_s=v["first"]["s"],
