@@ -306,12 +306,15 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
                                                                               cuda=caches[0].is_cuda)))
     on_ram = all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots)
     every_ram = on_ram and all(fs_type(r) in RAM_FILESYSTEMS for t in cfg.tiers for r in t.roots)
-    q = open_queue(decided.take("io_backend", resolve.io_backend(cfg.io_backend, on_ram=every_ram)), **cfg.io_options)
+    net = resolve.network_roots(cfg.io_backend, cfg.mapped_loads, first_tier=[fs_type(r) for r in cfg.roots],
+                                lower_tiers=[fs_type(r) for t in cfg.tiers for r in t.roots])
+    backend = net.get("io_backend") or resolve.io_backend(cfg.io_backend, on_ram=every_ram)
+    q = open_queue(decided.take("io_backend", backend), **cfg.io_options)
     cfg = dataclasses.replace(cfg, write_window_bytes=decided.take(
         "write_window_bytes", resolve.write_window_bytes(cfg.write_window_bytes, on_ram=on_ram)))
     access = store_access(cfg)
-    maps = decided.take("mapped_loads", resolve.mapped_loads(cfg.mapped_loads, on_ram=on_ram, shared=access.shared,
-                                                            secret=mac is not None, codec=codec is not None))
+    maps = decided.take("mapped_loads", net.get("mapped_loads") or resolve.mapped_loads(
+        cfg.mapped_loads, on_ram=on_ram, shared=access.shared, secret=mac is not None, codec=codec is not None))
     open_file = lambda name, w, dir_fd: q.open_file(name, write=w, create=w, dir_fd=dir_fd)  # noqa: E731
     from tutti.store.medium import get_medium
 

@@ -219,3 +219,46 @@ def sync_load_budget_bytes(*, rate: float | None, overhead: float, prefill_rate:
     if not rate or not prefill_rate:
         return None
     return max(0.0, rate * (max(step_tokens / prefill_rate, step_s) - overhead))
+
+
+#: File system types (/proc/mounts) of network clients: a root there is, or may be, shared by
+#: servers on other machines (NFS, SMB, CephFS, Lustre, IBM Storage Scale, BeeGFS, WekaFS, 9p,
+#: AFS, OrangeFS). Any FUSE mount ("fuse" or "fuse.<name>": GlusterFS, ceph-fuse, JuiceFS, 3FS,
+#: sshfs) counts too; "fuseblk" (a FUSE driver of a local block device) does not.
+NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "lustre", "gpfs", "beegfs",
+                                 "wekafs", "9p", "afs", "pvfs2", "orangefs", "glusterfs"})
+
+
+def network_filesystem(kinds: "list[str] | tuple[str, ...]") -> str | None:
+    """The first of these file system types that is a network or FUSE one, or None."""
+    for kind in kinds:
+        if kind in NETWORK_FILESYSTEMS or kind == "fuse" or kind.startswith("fuse."):
+            return kind
+    return None
+
+
+def network_roots(io_backend: str, mapped_loads: Any, *, first_tier: "list[str] | tuple[str, ...]",
+                  lower_tiers: "list[str] | tuple[str, ...]" = ()) -> dict[str, Choice]:
+    """io_backend and mapped_loads "auto" where roots are on a network or FUSE file system (the
+    file system types of the first tier's roots and of the lower tiers'); {key: Choice} for the
+    keys decided here, {} where no root is on one (the other rules decide).
+
+    io_backend: the queue's own "auto" (io_uring where the kernel has it, else threads), said so:
+    through GlusterFS's FUSE client io_uring reads and writes as fast as the thread pool (every
+    request is punted to its workers, as a thread would block), fails the same way when the
+    client dies or its link is cut (ENOTCONN), and O_DIRECT is taken where the file system takes
+    it (open_direct opens buffered where it is refused). mapped_loads: false, whatever the store's
+    sharing: a mapping of a file other machines write is not coherent with their writes, and one
+    the owner truncates or a client that vanishes faults (SIGBUS) instead of failing one read."""
+    first = network_filesystem(first_tier)
+    kind = first or network_filesystem(lower_tiers)
+    if kind is None:
+        return {}
+    out: dict[str, Choice] = {}
+    where = f"a {kind} root, a network file system"
+    if io_backend == "auto":
+        out["io_backend"] = Choice("auto", f"{where}: io_uring where the kernel has it, else threads")
+    if mapped_loads == "auto" and first is not None:
+        out["mapped_loads"] = Choice(False, f"a {first} root, a network file system: a mapping is not "
+                                            "coherent with other nodes' writes")
+    return out
