@@ -1,0 +1,211 @@
+"""Faults across nodes on a real GlusterFS volume, with tutti's real planner, worker pipeline,
+files and IO queue on each node (nodes.Server; no vLLM): a writer killed with -9 mid-store on
+one node, a node's link to the storage cut mid-load, a node's file system client killed mid-load.
+Nothing stored is lost or served wrong, the other node's server goes on, a reader fails only the
+chunks it cannot read."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from nodes import BPC, T, Server, prompt, wait_for
+
+HERE = Path(__file__).resolve().parent
+SLOTS = 96  # a capacity nothing here evicts from
+DST = list(range(19, 24))  # where a hit is loaded: blocks no store reads from
+
+
+def src_blocks(i: int) -> list[int]:
+    """Request i's blocks on the storing node (2 chunks and a tail block, within blocks 0..18)."""
+    start = (i * 5) % 14
+    return list(range(start, start + 2 * BPC + 1))
+
+
+def expected(caches, i: int) -> list[torch.Tensor]:
+    return [c[src_blocks(i)[:2 * BPC]] for c in caches]
+
+
+def loaded(server: Server) -> list[torch.Tensor]:
+    return [c[DST[:2 * BPC]] for c in server.caches]
+
+
+STORE_LOOP = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+from nodes import Server, prompt
+from test_faults import SLOTS, src_blocks
+from worker_helpers import geometry
+s = Server(sys.argv[1], "a", 0, capacity_bytes=SLOTS * geometry().slot_bytes)
+print("UP", flush=True)
+for i in range(10000):
+    hit, failed, plan = s.request(f"r{i}", prompt(100 + i, 2), src_blocks(i))
+    print("DONE", i, " ".join(st.key.hex() for st in plan.stores), flush=True)
+"""
+
+
+def test_a_writer_killed_mid_store_loses_nothing_it_stored_and_the_other_node_serves_on(on_volume):
+    from worker_helpers import geometry
+
+    a_root, b_root = on_volume
+    cap = SLOTS * geometry().slot_bytes
+    b = Server(b_root, "b", 1, capacity_bytes=cap)
+    child = subprocess.Popen([sys.executable, "-c", STORE_LOOP, str(a_root), str(HERE)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=str(HERE.parents[1]))
+    done: dict[int, list[bytes]] = {}
+    try:
+        assert child.stdout.readline().strip() == "UP", child.stderr.read()[-3000:]
+        while len(done) < 6:
+            line = child.stdout.readline()
+            assert line.startswith("DONE"), (line, child.stderr.read()[-3000:])
+            _, i, *keys = line.split()
+            done[int(i)] = [bytes.fromhex(k) for k in keys]
+        time.sleep(0.05)  # into the next request's store (each is a step, its stores and a sync)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        # node b: every chunk the killed writer reported stored is followed and served bit-exact
+        keys = [k for ks in done.values() for k in ks]
+        assert all(len(ks) == 2 for ks in done.values())
+        assert wait_for(lambda: all(k in b.planner.foreign for k in keys)), "node b lost chunks node a stored"
+        a_caches = _a_caches()
+        for i in sorted(done):
+            hit, failed, plan = b.request(f"b{i}", prompt(100 + i, 2), DST)
+            assert hit == 2 * T and failed == set() and {ld.source for ld in plan.loads} == {"a"}, (i, hit, failed)
+            assert all(torch.equal(x, y) for x, y in zip(loaded(b), expected(a_caches, i)))
+        # node a's server restarts (same configuration: writer "a"): its lock is free, its journal whole
+        a = Server(a_root, "a", 0, capacity_bytes=cap)
+        try:
+            held = {e.key for e in a.worker.store.entries().values()}
+            assert set(keys) <= held
+            print(f"\nkilled after {len(done)} requests read; restarted with {len(held)} chunks journaled "
+                  f"({len(held) - len(keys)} from the requests it made after those), a torn tail of "
+                  f"{a.worker.store.journal.dropped_tail_bytes} B dropped")
+            for i in sorted(done):
+                hit, failed, _ = a.request(f"a{i}", prompt(100 + i, 2), DST)
+                assert hit == 2 * T and failed == set(), (i, hit, failed)
+                assert all(torch.equal(x, y) for x, y in zip(loaded(a), expected(a_caches, i)))
+            # and stores again, which node b follows
+            _, _, plan = a.request("after", prompt(999, 2), src_blocks(3))
+            assert len(plan.stores) == 2
+            assert wait_for(lambda: all(st.key in b.planner.foreign for st in plan.stores))
+        finally:
+            a.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        b.close()
+
+
+def _a_caches():
+    from worker_helpers import make_caches
+
+    return make_caches(0)  # node a's KV cache: Server(..., seed 0)
+
+
+def _store(server: Server, i: int) -> list[bytes]:
+    _, _, plan = server.request(f"r{i}", prompt(100 + i, 2), src_blocks(i))
+    assert len(plan.stores) == 2
+    return [st.key for st in plan.stores]
+
+
+def test_a_node_cut_off_mid_load_fails_only_those_loads_and_serves_again_once_back(cluster, on_volume):
+    """Node b's link to the storage goes down after its planner chose to load node a's chunks: the
+    step's loads fail (after the client's ping timeout), that step's blocks are recomputed, not
+    served; node a stores on meanwhile; with the link back node b loads node a's chunks again,
+    those stored while it was cut off included."""
+    from worker_helpers import run_step
+
+    a_root, b_root = on_volume
+    a, b = Server(a_root, "a", 0), Server(b_root, "b", 1)
+    try:
+        keys = _store(a, 0) + _store(a, 1)
+        assert wait_for(lambda: all(k in b.planner.foreign for k in keys))
+        p = prompt(100, 2)
+        hit = b.planner.match("cut", p, 0)
+        assert hit == 2 * T
+        b.planner.on_alloc("cut", DST, hit)
+        plan = b.planner.build_step({"cut": 1}, {"cut": hit})
+        cluster.cut("b")
+        stored_meanwhile: list = []
+        side = threading.Thread(target=lambda: stored_meanwhile.extend(_store(a, 2)))
+        t0 = time.monotonic()
+        try:
+            side.start()
+            run_step(b.worker, plan)
+            b.worker.flush()
+            failed = b.worker.take_failed_blocks()
+            took = time.monotonic() - t0
+            side.join(60)
+        finally:
+            cluster.restore("b")
+        assert failed == set(DST[:2 * BPC]), failed  # every loaded block is recomputed, none served
+        b.planner.on_report(b.worker.take_report())
+        b.planner.finished("cut")
+        assert len(stored_meanwhile) == 2, "node a could not store while node b was cut off"
+        # back: node b follows and loads again, what node a stored meanwhile included
+        assert wait_for(lambda: all(k in b.planner.foreign for k in stored_meanwhile), timeout=30)
+        for i in (1, 2):
+            t1 = time.monotonic()
+            while True:
+                hit, failed, _ = b.request(f"again{i}-{time.monotonic()}", prompt(100 + i, 2), DST)
+                if hit == 2 * T and not failed:
+                    break
+                assert time.monotonic() - t1 < 30, f"node b did not load node a's chunks again: {hit}, {failed}"
+                time.sleep(0.5)
+            assert all(torch.equal(x, y) for x, y in zip(loaded(b), expected(a.caches, i)))
+        print(f"\nnode b's cut-off step failed its loads after {took:.1f} s; node b loads again once back")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_nodes_client_killed_mid_load_fails_its_loads_and_the_other_node_goes_on(cluster, on_volume):
+    """Node b's file system client dies (kill -9 of its glusterfs process: what an unmount or a
+    crashed client leaves): node b's loads fail, the step ends, its blocks are recomputed; node a
+    stores and serves on; node b's server, restarted on a fresh mount, serves node a's chunks."""
+    from worker_helpers import run_step
+
+    a_root, b_root = on_volume
+    a, b = Server(a_root, "a", 0), Server(b_root, "b", 1)
+    closed = False
+    try:
+        keys = _store(a, 0)
+        assert wait_for(lambda: all(k in b.planner.foreign for k in keys))
+        hit = b.planner.match("dead", prompt(100, 2), 0)
+        assert hit == 2 * T
+        b.planner.on_alloc("dead", DST, hit)
+        plan = b.planner.build_step({"dead": 1}, {"dead": hit})
+        cluster.kill_client("b")
+        try:
+            run_step(b.worker, plan)
+            b.worker.flush()
+            failed = b.worker.take_failed_blocks()
+            assert failed == set(DST[:2 * BPC]), failed
+        finally:
+            try:
+                b.close()
+            except OSError:
+                pass  # its files are on a dead mount
+            closed = True
+            cluster.unmount("b")
+            cluster.mount("b")
+        keys = _store(a, 1)  # node a goes on
+        b = Server(b_root, "b", 1)
+        closed = False
+        assert wait_for(lambda: all(k in b.planner.foreign for k in keys))
+        for i in (0, 1):
+            hit, failed, _ = b.request(f"back{i}", prompt(100 + i, 2), DST)
+            assert hit == 2 * T and failed == set()
+            assert all(torch.equal(x, y) for x, y in zip(loaded(b), expected(a.caches, i)))
+    finally:
+        a.close()
+        if not closed:
+            b.close()
