@@ -8,8 +8,9 @@ import sys
 import harness
 
 
-def main(model: str, kvt: dict) -> None:
-    from test_crash import batch_prompts
+def main(model: str, kvt: dict, batch_prompts=None) -> None:
+    if batch_prompts is None:
+        from test_crash import batch_prompts
 
     llm = harness.make_llm(model, kv_transfer_config=kvt)
     for i in range(1000):

@@ -140,6 +140,9 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
     planner.rebuild(own)
     for i, tier in enumerate(lower, 1):  # each tier below from its own journals
         tier.index.rebuild(_resident(cfg.tier(i), geom))
+    queued = planner.reconcile_tiers() if lower else 0  # a server killed before its write-downs were done
+    if queued:
+        log.info("tutti: %d chunks held by a tier and not the one below it are written down again", queued)
     probe = handoff.take_probe(engine_id) if geom.num_workers == 1 else None
     if probe is not None:  # this process's worker probed the store: a measured rate from the first lookup
         planner.seed_probe(*probe)

@@ -186,3 +186,20 @@ def test_write_back_counts_a_dirty_chunk_a_burst_evicts_unwritten_as_dropped():
     # the burst's 4 stores evict 4 dirty chunks (the write-downs just planned hold theirs): dropped
     assert len(burst.stores) == 4 and p.tier_stats.evictions[0] == 4 and p.tier_stats.dropped == 4
     assert all(p.index.is_pinned(c.key) for c in burst.copies)
+
+
+def test_after_a_restart_write_through_writes_down_what_the_first_tier_alone_holds():
+    """A server killed before its write-downs were done: the rebuilt first tier holds chunks the
+    disk tier does not; they are written down first, pinned, so nothing evicts them unwritten."""
+    p = tiered(ram=2)
+    keys = p._request("setup", list(range(129))).keys[:2]
+    p.index.plan_store(keys)
+    for k in keys:
+        p.index.commit(k)
+    p.lower[0].index.plan_store(keys[:1])
+    p.lower[0].index.commit(keys[0])
+    assert p.reconcile_tiers() == 1
+    nxt = prefill(p, "new", list(range(7000, 7129)), [4, 5, 6, 7, 8])  # two new chunks want the two slots
+    assert [(c.key, c.src, c.dst) for c in nxt.copies] == [(keys[1], 0, 1)]
+    assert keys[1] in p.index and p.index.is_pinned(keys[1])  # held until its copy is down
+    assert len(nxt.stores) == 1 and keys[0] not in p.index  # the clean one made room

@@ -54,6 +54,10 @@ class ChunkIndex:
     def __len__(self) -> int:
         return len(self._resident)
 
+    def keys(self) -> list[bytes]:
+        """The resident chunks, in the order they became resident."""
+        return list(self._resident)
+
     def slot_of(self, key: bytes) -> int | None:
         return self._resident.get(key)
 

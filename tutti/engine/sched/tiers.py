@@ -111,6 +111,22 @@ class TierPlanning:
         return max(ram, slow)
 
     # -- planning copies ------------------------------------------------------------------
+    def reconcile_tiers(self) -> int:
+        """After a restart (the indexes rebuilt from the journals): with write_policy "through",
+        queue the write-down of every chunk a tier holds and the next one down does not (a
+        server killed before its copies were done), so no tier gives one up unwritten. Returns
+        how many were queued ("back" finds them dirty by itself)."""
+        if self.write_policy != "through":
+            return 0
+        n = 0
+        for t in range(len(self.lower)):
+            below = self.tier_index(t + 1)
+            for key in self.tier_index(t).keys():
+                if key not in below:
+                    self._down.append((key, t))
+                    n += 1
+        return n
+
     def _queue_down(self, key: bytes, tier: int) -> None:
         """`key` was committed in `tier`: copy it to the next tier down (write-through)."""
         if tier < len(self.lower) and self.write_policy == "through":
