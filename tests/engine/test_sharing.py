@@ -92,6 +92,49 @@ def test_a_chunk_one_writer_stored_is_a_hit_on_another(tmp_path):
         b.close()
 
 
+def test_replicas_with_private_ram_tiers_share_their_disk_tier(tmp_path):
+    """`tiers`: each server's RAM tier is its own, the disk tier behind them is one root; what one
+    wrote down is a hit on the other, loaded from the first's files in the disk tier, priced and
+    loaded as that tier's (never stored again)."""
+    def tiers(name):
+        (tmp_path / name).mkdir()
+        return {"tiers": [{"root": str(tmp_path / name / "ram"), "capacity_bytes": 4 * geometry().slot_bytes},
+                          {"root": str(tmp_path / "disk"), "capacity_bytes": 8 * geometry().slot_bytes}]}
+
+    def server(name, writer, seed):
+        s = Server.__new__(Server)
+        s.caches = make_caches(seed)
+        v = views(s.caches)
+        c = cfg(tmp_path, writer, **tiers(name))
+        del c["root"], c["capacity_bytes"]
+        s.planner = build_planner(c, geometry())
+        s.worker = build_worker(c, geometry(), caches=v, layout=PagedLayout.from_tensor(
+            v[0], ("block", "head", "kv", "token", "dim")))
+        return s
+
+    a, b = server("a", "a", 0), server("b", "b", 1)
+    try:
+        p = prompt(3, 2)
+        hit, _, plan = a.request("r1", p, list(range(0, 2 * BPC + 1)))
+        assert hit == 0 and len(plan.stores) == 2
+        down = a.planner.build_step({}, {})  # the write-downs of a's committed chunks
+        assert len(down.copies) == 2
+        run_step(a.worker, down)
+        a.worker.flush()
+        a.planner.on_report(a.worker.take_report())
+        assert a.planner.tier_stats.writedowns[1] == 2
+        assert wait_for(lambda: all(st.key in b.planner.foreign for st in plan.stores))
+        hit, failed, plan_b = b.request("r2", p, list(range(10, 10 + 2 * BPC + 1)))
+        assert hit == 2 * T and failed == set() and not plan_b.stores
+        assert {(ld.source, ld.tier) for ld in plan_b.loads} == {("a", 1)}
+        for ca, cb in zip(a.caches, b.caches):
+            assert torch.equal(cb[10:10 + 2 * BPC], ca[0:2 * BPC])  # bit exact, from a's disk-tier files
+        assert b.worker.store.entries() == {} and b.worker.ctx.lower[0][0].entries() == {}
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_chunk_evicted_by_its_owner_is_recomputed_by_the_reader(tmp_path):
     a, b = Server(tmp_path, "a", 0), Server(tmp_path, "b", 1)
     try:

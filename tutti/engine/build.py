@@ -155,7 +155,10 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
     hints = read_hints(planner.hints_dir, planner.hints_access)
     planner.meter.seed(hints.get("prefill_tokens_per_s"), hints.get("step_s"))
     planner.extras = _extras_writer(cfg, geom, set(own.values())) if announce else None
-    planner.foreign = _foreign_index(cfg, geom, announce=announce)
+    # with tiers, the other writers are followed in the last tier (the one replicas share; a RAM
+    # tier in front stays private), and their chunks are priced and loaded as that tier's
+    planner.foreign = _foreign_index(cfg.tier(len(cfg.tiers)), geom, announce=announce)
+    planner.foreign_tier = len(cfg.tiers)
     return planner
 
 
@@ -358,6 +361,8 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
     from tutti.engine.sharing import ForeignStores
 
     fingerprint = geom.fingerprint()
+    if cfg.tiers:  # other writers are followed in the last tier (see build_planner)
+        store_roots = list(cfg.tier(len(cfg.tiers)).roots)
     foreign = ForeignStores(lambda writer: open_store(  # the file path: see ReplicaReader
         cfg, store_roots, fingerprint, writer_id=writer, foreign=True, medium=medium, access=access))
     from tutti.engine.hostcost import shorten_switch_interval

@@ -231,7 +231,7 @@ class HitPlanning:
     def _locate(self, keys: Sequence[bytes]) -> list[tuple[str | None, int, int]]:
         """Where each chunk of the longest stored prefix of `keys` is: (None, slot, tier) in our
         own tiers, the fastest that holds it (touched there: recently used), else (writer, slot,
-        0) in another writer's store."""
+        foreign_tier) in another writer's store (with tiers: in the last tier's roots)."""
         out: list[tuple[str | None, int, int]] = []
         touched: list[list[bytes]] = [[] for _ in range(self.num_tiers)]
         for key in keys:
@@ -248,7 +248,7 @@ class HitPlanning:
             hit = self.foreign.get(key) if self.foreign is not None else None
             if hit is None:
                 break
-            out.append((hit[0], hit[1], 0))
+            out.append((hit[0], hit[1], self.foreign_tier))
         for t, own in enumerate(touched):  # tail first: the prefix's head ends the most recently used
             if own:
                 self.tier_index(t).touch_prefix(own)

@@ -92,6 +92,7 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
         self._bad: set[bytes] = set()  # keys that failed to load, dropped once unpinned
         # The other writers of a shared namespace (tutti.engine.sharing.ForeignIndex), or None.
         self.foreign = foreign
+        self.foreign_tier = 0  # the tier whose roots the other writers are followed in (build_planner: the last)
         self.writer_id = ""  # the writer slot this server took (set by build_planner)
         self.extras = None  # tutti.store.extras.ExtrasWriter where chunks are announced (build_planner)
         self._foreign_loads: dict[bytes, tuple[str, int]] = {}  # in flight: key -> (writer, slot)
