@@ -347,7 +347,8 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
             check_capacity(tcfg, geom)
             try:
                 lower.append(open_store(tcfg, tcfg.roots, geom.fingerprint(), writer_id=cfg.writer_id,
-                                        writer=geom.writes, medium=medium, access=access))
+                                        writer=geom.writes, access=access,
+                                        medium=medium if tcfg.medium == cfg.medium else get_medium(tcfg.medium, open_file)))
             except (StoreLockedError, WriterDirectoryTakenError) as exc:
                 raise StoreLockedError(
                     f"tiers[{i}] roots {list(tcfg.roots)}: writer {cfg.writer_id!r} is held there by another server "

@@ -14,12 +14,12 @@ from worker_helpers import block_bytes, config, geometry, make_caches, run_step,
 pytestmark = pytest.mark.usefixtures("device")
 
 
-def tiered(tmp_path, caches, writer_id="", disk=None):
+def tiered(tmp_path, caches, writer_id="", disk=None, **lower):
     cfg = config(tmp_path / "ram", writer_id=writer_id)
     cap = cfg.pop("capacity_bytes")
     del cfg["root"]
     cfg["tiers"] = [{"root": str(tmp_path / "ram"), "capacity_bytes": cap},
-                    {"root": str(disk or tmp_path / "disk"), "capacity_bytes": 4 * cap}]
+                    {"root": str(disk or tmp_path / "disk"), "capacity_bytes": 4 * cap, **lower}]
     from tutti.engine.build import build_worker
     from tutti.kernels import PagedLayout
 
@@ -27,9 +27,11 @@ def tiered(tmp_path, caches, writer_id="", disk=None):
     return build_worker(cfg, geometry(), caches=v, layout=PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim")))
 
 
-def test_a_chunk_copied_down_loads_back_from_the_lower_tier_bit_exact(tmp_path):
+@pytest.mark.parametrize("medium", ["file", "tests.store.memory_medium:MemoryMedium"])
+def test_a_chunk_copied_down_loads_back_from_the_lower_tier_bit_exact(tmp_path, medium):
+    """Each tier with its own medium: the lower one on slab files, or in memory (the medium seam's example)."""
     caches = make_caches(1)
-    w = tiered(tmp_path, caches)
+    w = tiered(tmp_path, caches, medium=medium)
     key = b"k" * 32
     want = block_bytes(caches, [2, 3])
     run_step(w, StepPlan(1, stores=[StoreChunk("r", key, 5, (2, 3), ticket=1)]))
@@ -40,6 +42,7 @@ def test_a_chunk_copied_down_loads_back_from_the_lower_tier_bit_exact(tmp_path):
     rep = w.take_report()
     assert rep.stored == [2] and not rep.store_failed
     lower, journal = w.ctx.lower[0]
+    assert type(lower.slabs.medium).__name__ == ("FileMedium" if medium == "file" else "MemoryMedium")
     assert lower.get(9).key == key and journal.checksums(9, key) == w.journal.checksums(5, key)
     for c in caches:
         c[[10, 11]] = 0

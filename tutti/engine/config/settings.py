@@ -96,15 +96,16 @@ class EngineConfig:
                                    for t in self.tiers))
 
     def tier(self, i: int) -> "EngineConfig":
-        """The config of tier `i` (0: this one): its roots, capacity and eviction policy, everything
-        else as this one's."""
+        """The config of tier `i` (0: this one): its roots, capacity, eviction policy and medium,
+        everything else as this one's."""
         from dataclasses import replace
 
         if i == 0:
             return self
         t = self.tiers[i - 1]
         return replace(self, roots=t.roots, root_templates=t.root_templates, capacity_bytes=t.capacity_bytes,
-                       eviction_policy=t.eviction_policy or self.eviction_policy, tiers=())
+                       eviction_policy=t.eviction_policy or self.eviction_policy, medium=t.medium or self.medium,
+                       tiers=())
 
     @classmethod
     def of(cls, config: "Mapping[str, Any] | EngineConfig", *, rank: int = 0) -> "EngineConfig":

@@ -179,7 +179,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("capacity_bytes", "essential", "a size: bytes, or a string such as '64GiB'",
         "The store's size on this root, per rank; the eviction policy keeps it there.", "64GiB", size,
         required=True),
-    Key("tiers", "essential", "a list of {root or roots, capacity_bytes[, eviction_policy]}, fastest "
+    Key("tiers", "essential", "a list of {root or roots, capacity_bytes[, eviction_policy, medium]}, fastest "
         "first", "A hierarchy instead of one root: a chunk lands in the first tier and is served from the fastest "
         "tier holding it; each tier keeps its own capacity, eviction, journal and checksums.",
         [{"root": "/dev/shm/tutti", "capacity_bytes": "64GiB"}, {"root": "/mnt/nvme/tutti", "capacity_bytes": "2TiB"}],
@@ -320,12 +320,12 @@ def refuse_unknown(raw: Mapping[str, Any]) -> None:
 
 
 #: what one entry of `tiers` takes
-TIER_KEYS = ("root", "roots", "capacity_bytes", "eviction_policy")
+TIER_KEYS = ("root", "roots", "capacity_bytes", "eviction_policy", "medium")
 
 
 def parse_tiers(raw: dict, rank: int) -> tuple:
     """`tiers`, popped from `raw`: its first entry becomes `raw`'s root and capacity (and its
-    eviction_policy, unless given at the top level), the rest the lower tiers
+    eviction_policy and medium, unless given at the top level), the rest the lower tiers
     (TierConfig each, fastest first). Nothing here when `tiers` is not given."""
 
     if "tiers" not in raw:
@@ -354,6 +354,7 @@ def parse_tiers(raw: dict, rank: int) -> tuple:
             cap = size(f"{where}.capacity_bytes", t.pop("capacity_bytes"))
             pol = KEYS["eviction_policy"].parse(f"{where}.eviction_policy", t.pop("eviction_policy")) \
                 if "eviction_policy" in t else None
+            med = KEYS["medium"].parse(f"{where}.medium", t.pop("medium")) if "medium" in t else None
         except ConfigError as exc:
             msg = str(exc)
             raise ConfigError(msg if msg.startswith(where) else f"{where}.{msg}") from None
@@ -363,8 +364,10 @@ def parse_tiers(raw: dict, rank: int) -> tuple:
             raw["roots"], raw["capacity_bytes"] = list(templates), cap
             if pol is not None:
                 raw.setdefault("eviction_policy", pol)
+            if med is not None:
+                raw.setdefault("medium", med)
             continue
-        out.append(TierConfig(roots, templates, cap, pol))
+        out.append(TierConfig(roots, templates, cap, pol, med))
     every = [os.path.realpath(r) for r in raw["roots"]] + [os.path.realpath(r) for t in out for r in t.roots]
     if len(set(every)) != len(every):
         raise ConfigError(f"tiers: a directory serves two tiers ({sorted(r for r in set(every) if every.count(r) > 1)}); "
