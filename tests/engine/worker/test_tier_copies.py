@@ -79,3 +79,20 @@ def test_a_lower_tier_another_server_writes_as_this_writer_is_refused_with_the_f
         tiered(tmp_path / "b", caches, writer_id="n1", disk=tmp_path / "disk")
     tiered(tmp_path / "b", caches, writer_id="n2", disk=tmp_path / "disk").close()  # its own id: fine
     first.close()
+
+
+def test_a_restarted_worker_probes_its_lower_tier_and_reports_the_rate(tmp_path):
+    caches = make_caches(4)
+    w = tiered(tmp_path, caches)
+    run_step(w, StepPlan(1, stores=[StoreChunk("r", b"p" * 32, 0, (2, 3), ticket=1)]))
+    w.flush()
+    w.take_report()
+    run_step(w, StepPlan(2, copies=[CopyChunk(b"p" * 32, 0, 0, 1, 3, ticket=2)]))
+    w.flush()
+    w.close()
+    again = tiered(tmp_path, caches)
+    again.warm_up()
+    (nbytes, seconds), = again.lower_probes
+    rep = again.take_report()
+    assert nbytes > 0 and rep.lower_rate_bytes == nbytes and rep.lower_rate_seconds == seconds > 0
+    again.close()

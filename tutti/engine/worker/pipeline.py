@@ -176,6 +176,7 @@ class WorkerPipeline:
         self.mapped_bytes = 0
         self.map_seconds = 0.0
         self.probe = (0, 0.0)  # (bytes, seconds) of the start-up read probe
+        self.lower_probes: list[tuple[int, float]] = []  # the same of each lower tier
         # TUTTI_TRACE=1: (event, layer, perf_counter) of reads submitted and layers made ready,
         # to see the rolling load next to compute; bounded, off by default.
         self.trace: list[tuple[str, int, float]] | None = [] if os.environ.get("TUTTI_TRACE") else None
@@ -342,6 +343,11 @@ class WorkerPipeline:
         self.probe = self.probe_read_rate()
         if self.probe[0]:
             self.counters.add(probe_bytes=self.probe[0], probe_seconds=self.probe[1])
+        # each lower tier's read rate, what its hits are priced by until its loads measure it
+        self.lower_probes = [self.probe_read_rate(256 << 20, 0.5, store=st) for st, _ in self.ctx.lower]
+        for nbytes, seconds in self.lower_probes[-1:]:
+            if nbytes:
+                self.counters.add(lower_rate_bytes=nbytes, lower_rate_seconds=seconds)
         self.warmup_seconds = time.perf_counter() - t0
         return self.warmup_seconds
 
@@ -375,7 +381,7 @@ class WorkerPipeline:
             pass
         return done, time.perf_counter() - t0
 
-    def probe_read_rate(self, max_bytes: int = 1 << 30, max_seconds: float = 1.0) -> tuple[int, float]:
+    def probe_read_rate(self, max_bytes: int = 1 << 30, max_seconds: float = 1.0, store=None) -> tuple[int, float]:
         """(bytes, seconds): stored segments read the way a file-path load reads them (this
         queue, this staging, a layer of several chunks at a time), at start-up.
 
@@ -386,13 +392,16 @@ class WorkerPipeline:
         ends the probe with what it measured: it never fails the start. Up to 1 GiB or 1 s: on the
         H200's virtual disk 256 MiB (0.11-0.16 s) read 1.64 GB/s in one start and 2.35 in the
         next, the layer-wise loads after both 1.56, and the first layer-wise hit chose from the
-        2.35 (1.40x recompute): a longer read varies less (not yet measured there).
+        2.35 (1.40x recompute): a longer read varies less (not yet measured there). `store`: a
+        lower tier's (tutti.engine.worker.tiers), read through the file path as its loads are.
         """
-        ctx, store, ring = self.ctx, self.store, self.loads.ring
+        ctx, ring = self.ctx, self.loads.ring
         if max_bytes <= 0:
             return 0, 0.0
-        if self.loads.maps:
-            return self._probe_mapped(max_bytes, max_seconds)
+        if store is None:
+            store = self.store
+            if self.loads.maps:
+                return self._probe_mapped(max_bytes, max_seconds)
         try:
             slots = sorted(store.entries())
         except Exception:  # noqa: BLE001 - a store that cannot list its chunks: nothing to measure
