@@ -1,4 +1,4 @@
-"""Everything that differs between vLLM 0.26 and 0.33, in one place (see docs/vllm_api.md).
+"""Everything that differs between vLLM 0.26 and 0.34, in one place (see docs/vllm_api.md).
 
 Features are detected (hasattr / try-import), not versions compared, so a point release
 that back-ports an API keeps working.
@@ -54,6 +54,14 @@ def tier_job_slots(job: Any) -> list[int]:
     if ids is None:
         ids = job.block_ids
     return [int(i) for i in ids]
+
+
+def resumed_requests(cached: Any) -> set[str]:
+    """Requests of a step's cached part (CachedRequestData) that resumed after preemption: their
+    block ids replace the old ones instead of extending them. vLLM 0.32/0.33 list them in
+    `resumed_req_ids`; 0.34 dropped the field and re-sends a resumed request in full among the
+    step's new requests (NewRequestData, whose block ids replace a known request's), so none here."""
+    return getattr(cached, "resumed_req_ids", set()) or set()
 
 
 def engine_scheduler(llm: Any) -> Any:
@@ -142,6 +150,34 @@ def constructing_vllm_config(max_frames: int = 24) -> Any | None:
             return v
         f = f.f_back
     return None
+
+
+# ------------------------------------------------------------------ asynchronous loads while the batch is full
+# vLLM 0.34: with --max-num-inflight-kv-loads, the scheduler asks the connector's may_load_async(request)
+# when a request enters its waiting queues; a request it answers True for waits in a queue whose loads
+# start while the running batch is full. Before 0.34 nothing asks (TuttiConnectorV1's answer goes unused).
+HAS_MAY_LOAD_ASYNC = hasattr(_kvbase.KVConnectorBase_V1, "may_load_async")
+
+
+def max_inflight_kv_loads(vllm_config: Any) -> int | None:
+    """vLLM 0.34's --max-num-inflight-kv-loads (None: unset, or a vLLM without it): where set, the
+    requests may_load_async answers True for start their loads while the running batch is full."""
+    if not HAS_MAY_LOAD_ASYNC:
+        return None
+    v = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_inflight_kv_loads", None)
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+# ------------------------------------------------------------------ the OffloadingConnector's secondary tier
+def tier_touched_by_vllm() -> bool:
+    """vLLM 0.26-0.33 call a secondary tier's touch(keys) for every hit (recency for eviction);
+    0.34 removed touch() from OffloadingManager and SecondaryTierManager, so a tier keeps recency
+    from what it is asked to load (tutti.vllm.tier touches a load job's keys on every version)."""
+    try:
+        from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+    except ImportError:  # pragma: no cover - a vLLM without tiered offloading
+        return False
+    return hasattr(SecondaryTierManager, "touch")
 
 
 # ------------------------------------------------------------------ hybrid models (KV cache groups)

@@ -161,6 +161,12 @@ class TuttiConnectorV1(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return TuttiConnectorMetadata(self._sched.build_step(scheduler_output))
 
+    def may_load_async(self, request: "Request") -> bool:
+        """vLLM 0.34+ (--max-num-inflight-kv-loads): whether this request's hit may load while the
+        running batch is full (tutti.vllm.scheduler_side.SchedulerHalf.may_load_async). Earlier
+        vLLMs never ask."""
+        return self._sched.may_load_async(request) if self._sched is not None else False
+
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self._sched is not None and isinstance(meta, TuttiWorkerMetadata):

@@ -12,8 +12,9 @@ from vllm.logger import init_logger
 
 from tutti.engine.build import build_planner
 from tutti.engine.hostcost import HookClock, ThreadCPU, scheduler_threads, timed
+from tutti.engine.keys import UnkeyableError, chunk_keys
 from tutti.engine.plan import StepPlan, WorkerReport
-from tutti.vllm import identity, layout, translate
+from tutti.vllm import compat, identity, layout, translate
 from tutti.vllm.events import EventPublisher, KVEventTracker, expand_topic
 from tutti.vllm.stats import SchedulerStatsTracker, TuttiKVConnectorStats
 
@@ -62,6 +63,94 @@ class SchedulerHalf:
             "%d chunks of %d other writers, events=%s", list(cfg.roots), cfg.capacity_bytes, p.index.num_slots,
             cfg.chunk_tokens, len(p.index), cfg.writer_id, len(foreign) if foreign else 0,
             len(foreign.writers) if foreign else 0, cfg.kv_events_endpoint or "vLLM only")
+        self._say_other_namespaces()
+        inflight = compat.max_inflight_kv_loads(vllm_config)
+        if inflight is not None:
+            logger.info("tutti: hits that load asynchronously start while the batch is full "
+                        "(--max-num-inflight-kv-loads=%d; hits load %s)", inflight, s.load_mode)
+
+    def _say_other_namespaces(self, limit: int = 3) -> None:
+        """Name what keeps this server from the chunks of other namespaces in its first root (an
+        upgrade that changed the dtype, the block size, the chunk size, the weights, tutti's format
+        or key version...): they are never loaded here, and "zero hits after an upgrade" should say
+        why. Other ranks' namespaces of this layout are siblings, not differences. Advisory."""
+        from tutti.engine.build import with_codec, with_integrity
+        from tutti.store.namespace import list_namespaces
+
+        s = self.setup
+        try:
+            geom = with_codec(with_integrity(s.geom, s.mac), s.cfg)
+            tp, pp, _ = geom.store_ranks[0]
+            ours = geom.for_rank(tp, pp).fingerprint()
+            found = list_namespaces(s.cfg.roots[0])
+        except Exception as exc:  # noqa: BLE001 - advisory only
+            logger.debug("tutti: other namespaces not listed: %s", exc)
+            return
+        mine = ours.to_dict()
+        mine["extra"] = dict(mine.get("extra") or ())
+        diffs = []
+        for ns in found:
+            there = dict((ns.manifest or {}).get("fingerprint") or {})
+            if ns.digest == ours.digest() or not there:
+                continue
+            there["extra"] = dict(there.get("extra") or ())
+            if (there.get("tp_rank"), there.get("pp_rank")) != (mine["tp_rank"], mine["pp_rank"]) and all(
+                    there.get(k) == mine[k] for k in mine if k not in ("tp_rank", "pp_rank")):
+                continue  # the same layout's other ranks
+            parts = [f"{k} {mine.get(k)!r} here, {there.get(k)!r} there" for k in sorted(set(mine) | set(there))
+                     if k not in ("extra", "tp_rank", "pp_rank") and mine.get(k) != there.get(k)]
+            for k in sorted(set(mine["extra"]) | set(there["extra"])):
+                if mine["extra"].get(k) != there["extra"].get(k):
+                    parts.append(f"{k} {mine['extra'].get(k)!r} here, {there['extra'].get(k)!r} there")
+            diffs.append(f"tutti-{ns.digest} ({'; '.join(parts) or 'rank'})")
+        if diffs:
+            logger.info("tutti: %s also holds %d namespace(s) this server cannot load (chunks stored under another "
+                        "model, dtype, layout or tutti format; never mixed, see README 'Upgrades'): %s%s",
+                        s.cfg.roots[0], len(diffs), ", ".join(diffs[:limit]),
+                        f" and {len(diffs) - limit} more" if len(diffs) > limit else "")
+
+    @timed("_hooks")
+    def may_load_async(self, request: "Request") -> bool:
+        """vLLM 0.34+, with --max-num-inflight-kv-loads: whether this request's hit may load
+        asynchronously, so that vLLM starts its load while the running batch is full (the request
+        waits in vLLM's async_kv_waiting queue instead of for a batch slot).
+
+        vLLM asks when the request enters a waiting queue, before its lookup, so the answer reads
+        the store's index without pricing, touching or counting anything: True where the request's
+        last lookup chose an asynchronous load (the hit policy's choice, `wants_async`), else where
+        every hit loads asynchronously (`async_loads`) and the store holds the prompt's first
+        chunk, else where hits past the step's byte budget load asynchronously (`budgeted`) and the
+        prompt's stored prefix is larger than that budget. False for everything else (layer-wise
+        hits load inside a step, in a batch slot). A wrong True costs little: the lookup at the head
+        of vLLM's queue decides, and a hit that then loads synchronously waits for a slot as before
+        (holding back the other asynchronous loads until one frees)."""
+        p = self.planner
+        if p.wants_async(request.request_id):
+            return True
+        if not (self.setup.async_loads or self.setup.budgeted):
+            return False
+        tokens = identity.prompt_tokens(request)
+        usable = (len(tokens) - 1) // p.chunk_tokens  # a hit leaves at least one token to compute
+        if self.setup.async_loads:
+            need = 1
+        else:
+            budget = p.sync_budget_bytes()
+            if budget is None:  # no budget measured yet: hits load layer-wise
+                return False
+            need = int(budget // max(p.slot_bytes, 1)) + 1  # the first chunk past the budget
+        if usable < need:
+            return False
+        try:
+            keys = chunk_keys(tokens[:need * p.chunk_tokens], p.chunk_tokens, p.seed,
+                              identity=identity.request_identity(request, self.setup.hash_block_size))
+        except UnkeyableError:
+            return False
+        return all(self._held(k) for k in keys)
+
+    def _held(self, key: bytes) -> bool:
+        """A chunk some tier of this store or another writer's holds (not touched: a peek)."""
+        p = self.planner
+        return p.held_anywhere(key) or (p.foreign is not None and p.foreign.get(key) is not None)
 
     def _async(self, req_id: str) -> bool:
         """Whether a hit loads asynchronously: every hit where vLLM schedules asynchronously, else
@@ -99,7 +188,7 @@ class SchedulerHalf:
             p.update_request(new.req_id, tokens=new.prompt_token_ids or [], all_block_ids=self._blocks(new.block_ids))
             computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = translate.resumed_requests(cached)
+        resumed = compat.resumed_requests(cached)
         for i, req_id in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
             if blocks is not None:

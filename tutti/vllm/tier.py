@@ -17,6 +17,10 @@ processes only with a fixed PYTHONHASHSEED (vLLM seeds its hash chain randomly o
 it on every server that should read what another stored, or that restarts.
 
 IO runs on a small thread pool; every method the scheduler calls returns at once.
+
+vLLM 0.34: the tier is no longer touched on hits (recency comes from its load jobs); offloading
+workers now get raw device pointers (DevicePointers), which this tier never sees (it moves the CPU
+tier's bytes, not device memory); vLLM refuses secondary tiers on engines whose workers span nodes.
 """
 
 from __future__ import annotations
@@ -214,6 +218,7 @@ class TuttiTier(SecondaryTierManager):
         return LookupResult.HIT if self._key(key) in self._index else LookupResult.MISS
 
     def touch(self, keys, req_context):
+        """vLLM 0.26-0.33 call this for every hit; 0.34 removed it (submit_load touches instead)."""
         # a prefix's keys, in order: touched tail first, so recency gives a prefix up from its end
         self._index.touch_prefix([self._key(k) for k in keys])
 
@@ -232,8 +237,12 @@ class TuttiTier(SecondaryTierManager):
             if slot is not None:
                 self._index.pin([k])
             work.append((k, slot, s))
+        held = [k for k, slot, _ in work if slot is not None]
+        # recency from the loads themselves: vLLM 0.34 no longer calls touch() (compat.tier_touched_by_vllm),
+        # and a promotion is this tier's hit; a job's keys come in prefix order
+        self._index.touch_prefix(held)
         futs = [self._pool.submit(self._load_chunks, piece) for piece in self._pieces(work)]
-        self._jobs.append((job_metadata.job_id, futs, [k for k, slot, _ in work if slot is not None], True))
+        self._jobs.append((job_metadata.job_id, futs, held, True))
 
     def _pieces(self, work: list) -> list[list]:
         """A job's chunks in contiguous pieces, one per pool thread: one thread reading a long

@@ -150,11 +150,6 @@ def announces(vllm_config: Any, kv_events_endpoint: str) -> bool:
     return bool(kv_events_endpoint or getattr(kec, "enable_kv_cache_events", False))
 
 
-def resumed_requests(cached: Any) -> set[str]:
-    """Requests of a step's cached part that resumed after preemption (0.32+; none before)."""
-    return getattr(cached, "resumed_req_ids", set()) or set()
-
-
 @dataclass(frozen=True)
 class Setup:
     """What both halves of the connector take from vLLM's configuration, translated once per
