@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.tutti.connector")
 
 
+def _rate(nbytes: int, seconds: float) -> str:
+    """A start-up read probe, for the ready line."""
+    return f"{nbytes / seconds / 1e9:.2f} GB/s" if nbytes and seconds > 0 else "nothing stored yet"
+
+
 class WorkerHalf:
     def __init__(self, vllm_config: "VllmConfig", setup: translate.Setup) -> None:
         self.setup = setup
@@ -73,10 +78,13 @@ class WorkerHalf:
         w, cfg = self.worker, self.setup.cfg
         rank = translate.worker_rank(self._vllm_config)
         info = logger.info if rank == 0 else logger.debug
-        probe = f"{w.probe[0] / w.probe[1] / 1e9:.2f} GB/s" if w.probe[0] and w.probe[1] > 0 else "nothing stored yet"
-        info("tutti: ready: roots=%s capacity=%s (%d chunks of %d tokens stored) backend=%s hits=%s read probe: %s; "
+        probe = _rate(*w.probe)
+        tiers = "".join(f" tier {i}: roots={list(t.roots)} capacity={human(t.capacity_bytes)} "
+                        f"({len(journal)} chunks stored, read probe: {_rate(*p)}, write_policy={cfg.write_policy});"
+                        for i, (t, (_, journal), p) in enumerate(zip(cfg.tiers, w.ctx.lower, w.lower_probes), 1))
+        info("tutti: ready: roots=%s capacity=%s (%d chunks of %d tokens stored) backend=%s hits=%s read probe: %s;%s "
              "start-up took %.2f s", list(w.cfg.roots), human(cfg.capacity_bytes), w.resident_chunks, cfg.chunk_tokens,
-             w.queue.caps().backend, self.setup.load_mode, probe, w.warmup_seconds)
+             w.queue.caps().backend, self.setup.load_mode, probe, tiers, w.warmup_seconds)
         logger.debug(
             "tutti: details: layout=%s kernel=%s layers=%d rank=%d staging=%d B (%d store chunks) mapped=%d B in %.2f s%s "
             "read probe=%d B in %.3f s gil_switch_interval=%g s idle_load_wait=%g s; auto: %s",
