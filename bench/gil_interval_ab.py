@@ -90,7 +90,7 @@ def run_case(case: str, a) -> dict:
 
     from tutti.tools.demo import on_cuda
     from tutti.engine.sched.hit_policy import Always, Never
-    from tutti.vllm import compat
+    from tutti.vllm import internals
 
     root = f"{a.root}-{case}"
     shutil.rmtree(root, ignore_errors=True)
@@ -108,7 +108,7 @@ def run_case(case: str, a) -> dict:
         res["reseeded_tensors"] = llm.collective_rpc(rpc_reseed, args=(1234, "plain"))[0]
     vocab = llm.llm_engine.model_config.get_vocab_size()
     gen, one, sixteen = timed_generate(llm)
-    planner = compat.engine_connector(llm).planner
+    planner = internals.engine_connector(llm).planner
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group().worker

@@ -67,7 +67,7 @@ def run_phase(phase: str, a) -> dict:
 
     from tutti.tools.demo import on_cuda
     from tutti.engine.sched.hit_policy import Always, CostModel, Never
-    from tutti.vllm import compat
+    from tutti.vllm import internals
 
     if a.trace:
         os.environ["TUTTI_TRACE"] = "1"  # read when the worker is built (in this process)
@@ -86,7 +86,7 @@ def run_phase(phase: str, a) -> dict:
         res["reseeded_tensors"] = llm.collective_rpc(rpc_reseed, args=(1234, "plain"))[0]
     vocab = llm.llm_engine.model_config.get_vocab_size()
     gen, one, sixteen = timed_generate(llm)
-    conn = compat.engine_connector(llm)
+    conn = internals.engine_connector(llm)
     planner = conn.planner
 
     from vllm.distributed.kv_transfer import get_kv_transfer_group

@@ -306,9 +306,9 @@ def run_case(case: str, a) -> dict:
         # decode while storing: fresh long prompts whose chunks are written while they decode
         res["decode_itl_ms"] = itl(5000, a.decode_batch, a.decode_prompt, a.decode_tokens)
     try:
-        from tutti.vllm import compat
+        from tutti.vllm import internals
 
-        conn = compat.engine_connector(llm)
+        conn = internals.engine_connector(llm)
         planner = getattr(conn, "planner", None)
         if planner is not None:
             st = vars(planner.stats)

@@ -92,9 +92,9 @@ def run_case(case: str, model: str, root: str) -> dict:
     if worker is not None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        from tutti.vllm import compat
+        from tutti.vllm import internals
 
-        planner = compat.engine_scheduler(llm).connector.planner
+        planner = internals.engine_scheduler(llm).connector.planner
         st = {k: getattr(planner.stats, k) for k in ("hit_tokens", "stores_committed", "loads_failed")}
         st["recent_steps"] = list(worker.recent_steps)
     return {"case": case, "cudagraph_mode": mode, "batch": res1, "decode_store": res2, "decode_hit": res3,

@@ -23,9 +23,9 @@ from tutti.tools.demo import (  # noqa: E402,F401
 
 def scheduler(llm):
     """The scheduler of an in-process engine (vLLM's private path lives in tutti.vllm.compat)."""
-    from tutti.vllm import compat
+    from tutti.vllm import internals
 
-    return compat.engine_scheduler(llm)
+    return internals.engine_scheduler(llm)
 
 
 def connector(llm):

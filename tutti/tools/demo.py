@@ -220,10 +220,10 @@ def generate_ids(llm, prompts: Sequence[Sequence[int]], max_tokens: int = 8):
 
 def connector_of(llm):
     """The scheduler-side TuttiConnectorV1 of an in-process engine (None without one)."""
-    from tutti.vllm import compat
+    from tutti.vllm import internals
 
     try:
-        return compat.engine_connector(llm)
+        return internals.engine_connector(llm)
     except AttributeError:
         return None
 

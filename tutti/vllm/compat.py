@@ -27,10 +27,6 @@ else:  # pragma: no cover - vLLM 0.26
             raise NotImplementedError
 
 
-def init_base(conn: Any, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-    _kvbase.KVConnectorBase_V1.__init__(conn, vllm_config, role, kv_cache_config)
-
-
 try:  # vLLM 0.32+: the storage medium of KV events
     from vllm.distributed.kv_events import MEDIUM_STORAGE as KV_EVENT_MEDIUM
 except ImportError:  # vLLM 0.26 names file-system tiers "FS"
@@ -62,32 +58,6 @@ def resumed_requests(cached: Any) -> set[str]:
     `resumed_req_ids`; 0.34 dropped the field and re-sends a resumed request in full among the
     step's new requests (NewRequestData, whose block ids replace a known request's), so none here."""
     return getattr(cached, "resumed_req_ids", set()) or set()
-
-
-def engine_scheduler(llm: Any) -> Any:
-    """The scheduler of an in-process vLLM engine (`vllm.LLM` with VLLM_ENABLE_V1_MULTIPROCESSING=0):
-    vLLM's private path to it, written here once for the demo, tests and benchmarks."""
-    return llm.llm_engine.engine_core.engine_core.scheduler
-
-
-def engine_connector(llm: Any) -> Any:
-    """The scheduler-side KV connector of an in-process vLLM engine (see engine_scheduler)."""
-    return engine_scheduler(llm).connector
-
-
-def release_global_connector(conn: Any) -> None:
-    """Unset vLLM's process-global worker connector if it is `conn`.
-
-    vLLM sets it before the KV caches are registered and clears it only on a clean worker
-    shutdown; when registration fails the engine never starts, nothing shuts it down, and every
-    later engine in the process would reuse this broken instance (with the old configuration).
-    """
-    try:
-        from vllm.distributed.kv_transfer import kv_transfer_state as _state
-    except ImportError:  # pragma: no cover - moved in some version: nothing to release
-        return
-    if getattr(_state, "_KV_CONNECTOR_AGENT", None) is conn:
-        _state._KV_CONNECTOR_AGENT = None
 
 
 # ------------------------------------------------------------------ CUDA graphs
@@ -187,14 +157,7 @@ def tier_touched_by_vllm() -> bool:
 HMA_MIXINS: tuple[type, ...] = (_kvbase.SupportsHMA,) if hasattr(_kvbase, "SupportsHMA") else ()
 
 
-# ------------------------------------------------------------------ layout discovery
-
-
-# ------------------------------------------------------------------ requests and blocks
-# ------------------------------------------------------------------ chunk identity
-
-
-# ------------------------------------------------------------------ feature detection and layout facts
+# ------------------------------------------------------------------ versions, for messages
 
 
 def parse_version(s: str) -> tuple[int, int, int]:

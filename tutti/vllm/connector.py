@@ -71,7 +71,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
     the worker's (`tutti.vllm.worker_side`), as vLLM builds one instance per role."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
-        compat.init_base(self, vllm_config, role, kv_cache_config)
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
         route_tutti_logs()
         self._sched: SchedulerHalf | None = None
         self._work: WorkerHalf | None = None

@@ -15,7 +15,7 @@ from tutti.engine.build import build_worker
 from tutti.engine.config.values import human
 from tutti.engine.hostcost import WAITS, HookClock, ThreadCPU, timed, worker_threads
 from tutti.engine.plan import StepPlan, WorkerReport
-from tutti.vllm import compat, layout, translate
+from tutti.vllm import compat, internals, layout, translate
 from tutti.vllm.stats import TuttiKVConnectorStats, stats_from
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class WorkerHalf:
                                        async_loads=(s.async_loads and not s.hybrid) or ("split" if s.budgeted else False),
                                        step_tokens=translate.step_tokens(vc), engine_id=s.engine_id, mac=s.mac)
         except Exception:
-            compat.release_global_connector(owner)  # the engine will not start: do not haunt the next one
+            internals.release_global_connector(owner)  # the engine will not start: do not haunt the next one
             raise
         self.worker.warm_up()
         handoff.record_probe(s.engine_id, *self.worker.probe)  # the scheduler in this process prices hits with it
