@@ -114,7 +114,9 @@ class Cluster:
     """GlusterFS up on this machine: `mounts[node]` is that node's mount of the one volume."""
 
     def __init__(self, base: str | os.PathLike, *, nodes: tuple[str, ...] = ("a", "b"), bricks: int = 2,
-                 name: str | None = None) -> None:
+                 name: str | None = None, brick_bytes: int | None = None) -> None:
+        """`brick_bytes`: each brick a tmpfs of that size (a volume that fills up), else a
+        directory of `base`'s file system."""
         self.base = Path(base)
         self.name = name or f"tutti-gl-{os.getpid()}-{int(time.time() * 1000) % 100000}"
         self.nodes = nodes
@@ -124,6 +126,7 @@ class Cluster:
         self.brick_dirs = [self.base / f"brick{i}" for i in range(bricks)]
         self.mounts = {n: self.base / f"node-{n}" for n in nodes}
         self.sock = self.run_dir / "glusterd.socket"
+        self.brick_bytes = brick_bytes
         self.bringup_s: dict[str, float] = {}
         self._up = False
 
@@ -143,6 +146,9 @@ class Cluster:
         for d in (self.state, self.run_dir, self.logs, *self.brick_dirs, *self.mounts.values()):
             d.mkdir(parents=True, exist_ok=True)
         self._up = True
+        if self.brick_bytes:
+            for d in self.brick_dirs:
+                _run("mount", "-t", "tmpfs", "-o", f"size={self.brick_bytes},mode=0755", "tmpfs", str(d))
         t = time.perf_counter()
         s = self.server_ns
         _run("ip", "netns", "add", s)
@@ -246,7 +252,7 @@ class Cluster:
             self.unmount(node)
         for ns in [*self.node_ns.values(), self.server_ns]:
             _kill_netns(ns)
-        for mnt in _mounts_under(str(self.base)):  # none should be left; a lazy unmount of what is
+        for mnt in sorted(_mounts_under(str(self.base)), reverse=True):  # the bricks' tmpfs, if any
             _run("umount", "-l", mnt, check=False)
         shutil.rmtree(self.base, ignore_errors=True)
         self._up = False

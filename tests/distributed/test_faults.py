@@ -217,3 +217,73 @@ def test_a_nodes_client_killed_mid_load_fails_its_loads_and_the_other_node_goes_
         a.close()
         if not closed:
             b.close()
+
+
+def _fill(root: Path) -> list[Path]:
+    """Files of 1 MiB through `root` until the volume refuses three in a row (each file lands on
+    one brick: every brick full)."""
+    made, refused, i = [], 0, 0
+    while refused < 3:
+        path = root / f"filler-{i}"
+        i += 1
+        try:
+            with open(path, "wb") as f:
+                f.write(b"\xff" * (1 << 20))
+                os.fsync(f.fileno())
+            made.append(path)
+            refused = 0
+        except OSError as exc:
+            assert exc.errno in (28, 122), exc  # ENOSPC, EDQUOT
+            refused += 1
+            made.append(path)  # it may exist, partly written
+    return made
+
+
+def test_a_full_volume_fails_stores_not_steps_and_loses_nothing_stored(tmp_path):
+    """A volume of two 24 MiB bricks, filled through node a's mount after a few stores: node a's
+    steps go on, the stores that do not fit fail (counted), nothing is journaled that is not
+    whole; node b serves every chunk node a journaled, bit-exact, before and after; with room
+    made again node a stores again and node b follows."""
+    import gluster
+
+    with gluster.Cluster(tmp_path / "gl", brick_bytes=24 << 20) as small:
+        a_root, b_root = small.mounts["a"] / "kv", small.mounts["b"] / "kv"
+        a_root.mkdir()
+        a, b = Server(a_root, "a", 0, capacity_bytes=SLOTS * 12288), Server(b_root, "b", 1)
+        try:
+            keys = {i: _store(a, i) for i in range(3)}
+            fillers = _fill(small.mounts["a"])
+            stats0 = dict(vars(a.planner.stats))
+            for i in range(3, 9):  # the volume is full: these stores fail, the steps do not
+                _, _, plan = a.request(f"r{i}", prompt(100 + i, 2), src_blocks(i))
+                keys[i] = [st.key for st in plan.stores]
+            st = a.planner.stats
+            assert st.stores_failed - stats0["stores_failed"] > 0, vars(st)
+            journaled = {e.key for e in a.worker.store.entries().values()}
+            assert {k for i in range(3) for k in keys[i]} <= journaled
+            assert wait_for(lambda: all(k in b.planner.foreign for k in journaled), timeout=15)
+            for i in range(9):
+                whole = [k in journaled for k in keys[i]]
+                n = whole.index(False) if False in whole else len(whole)  # the hit: journaled chunks in a row
+                hit, failed, _ = b.request(f"b{i}", prompt(100 + i, 2), DST)
+                assert hit == n * T and failed == set(), (i, hit, n, failed)
+                for x, y in zip(loaded(b), expected(a.caches, i)):
+                    assert torch.equal(x[:n * BPC], y[:n * BPC]), i
+            served = sum(k in journaled for i in range(3, 9) for k in keys[i])
+            for f in fillers:
+                f.unlink(missing_ok=True)
+            # room again: node a stores, node b follows
+            t0 = time.monotonic()
+            while True:
+                before = a.planner.stats.stores_committed
+                _, _, plan = a.request(f"again-{time.monotonic()}", prompt(500, 2), src_blocks(1))
+                if a.planner.stats.stores_committed - before == 2:
+                    break
+                assert time.monotonic() - t0 < 20, "node a did not store again once the volume had room"
+                time.sleep(0.5)
+            assert wait_for(lambda: all(s.key in b.planner.foreign for s in plan.stores), timeout=15)
+            print(f"\nfull volume: {st.stores_failed - stats0['stores_failed']} stores failed, {served} of the "
+                  f"{2 * 6} chunks stored while full were journaled (whole) and served by node b")
+        finally:
+            a.close()
+            b.close()
