@@ -29,12 +29,16 @@ def cfg(root, writer, **kw) -> dict:
 
 
 class Server:
-    def __init__(self, root, writer, seed, **kw) -> None:
+    """`writer` "auto": the worker takes the first free writer slot (as vLLM builds them: the
+    worker first, then the scheduler, which learns the slot under `engine_id`)."""
+
+    def __init__(self, root, writer, seed, engine_id: str = "", **kw) -> None:
         self.caches = make_caches(seed)
         v = views(self.caches)
         layout = PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim"))
-        self.planner = build_planner(cfg(root, writer, **kw), geometry())
-        self.worker = build_worker(cfg(root, writer, **kw), geometry(), caches=v, layout=layout)
+        self.worker = build_worker(cfg(root, writer, **kw), geometry(), caches=v, layout=layout, engine_id=engine_id)
+        self.planner = build_planner(cfg(root, writer, **kw), geometry(), engine_id=engine_id)
+        self.writer_id = self.worker.cfg.writer_id
 
     def request(self, req, tokens, blocks):
         """match, allocate, one step computing the rest of the prompt; (hit tokens, failed blocks, plan)."""

@@ -43,8 +43,8 @@ sys.path.insert(0, sys.argv[2])
 from nodes import Server, prompt
 from test_faults import SLOTS, src_blocks
 from worker_helpers import geometry
-s = Server(sys.argv[1], "a", 0, capacity_bytes=SLOTS * geometry().slot_bytes)
-print("UP", flush=True)
+s = Server(sys.argv[1], "auto", 0, engine_id="engine-a", capacity_bytes=SLOTS * geometry().slot_bytes)
+print("UP", s.writer_id, flush=True)
 for i in range(10000):
     hit, failed, plan = s.request(f"r{i}", prompt(100 + i, 2), src_blocks(i))
     print("DONE", i, " ".join(st.key.hex() for st in plan.stores), flush=True)
@@ -52,16 +52,23 @@ for i in range(10000):
 
 
 def test_a_writer_killed_mid_store_loses_nothing_it_stored_and_the_other_node_serves_on(on_volume):
+    """One configuration for both servers (writer_id "auto"): node b's takes the namespace's slot,
+    node a's (a process of its own) the next; node a's is killed with -9 while storing and
+    restarted with the same configuration."""
     from worker_helpers import geometry
 
     a_root, b_root = on_volume
     cap = SLOTS * geometry().slot_bytes
-    b = Server(b_root, "b", 1, capacity_bytes=cap)
+    b = Server(b_root, "auto", 1, engine_id="engine-b", capacity_bytes=cap)
+    assert b.writer_id == ""
     child = subprocess.Popen([sys.executable, "-c", STORE_LOOP, str(a_root), str(HERE)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, cwd=str(HERE.parents[1]))
     done: dict[int, list[bytes]] = {}
     try:
-        assert child.stdout.readline().strip() == "UP", child.stderr.read()[-3000:]
+        up = child.stdout.readline().split()
+        assert up[:1] == ["UP"], child.stderr.read()[-3000:]
+        slot = up[1] if len(up) > 1 else ""
+        assert slot == "auto-1", up
         while len(done) < 6:
             line = child.stdout.readline()
             assert line.startswith("DONE"), (line, child.stderr.read()[-3000:])
@@ -77,11 +84,12 @@ def test_a_writer_killed_mid_store_loses_nothing_it_stored_and_the_other_node_se
         a_caches = _a_caches()
         for i in sorted(done):
             hit, failed, plan = b.request(f"b{i}", prompt(100 + i, 2), DST)
-            assert hit == 2 * T and failed == set() and {ld.source for ld in plan.loads} == {"a"}, (i, hit, failed)
+            assert hit == 2 * T and failed == set() and {ld.source for ld in plan.loads} == {slot}, (i, hit, failed)
             assert all(torch.equal(x, y) for x, y in zip(loaded(b), expected(a_caches, i)))
-        # node a's server restarts (same configuration: writer "a"): its lock is free, its journal whole
-        a = Server(a_root, "a", 0, capacity_bytes=cap)
+        # node a's server restarts (same configuration): its slot's lock died with it, its journal is whole
+        a = Server(a_root, "auto", 0, engine_id="engine-a2", capacity_bytes=cap)
         try:
+            assert a.writer_id == slot, "the restarted server did not take its slot back"
             held = {e.key for e in a.worker.store.entries().values()}
             assert set(keys) <= held
             print(f"\nkilled after {len(done)} requests read; restarted with {len(held)} chunks journaled "
