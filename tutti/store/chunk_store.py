@@ -467,12 +467,16 @@ class ChunkStore:
         except OSError as exc:  # a full disk: the records not written are chunks not journaled (misses)
             log_once(f"tutti: closing the store at {self.namespaces[0]!r} could not journal its last "
                      f"{self.journal.pending_records} records ({exc}); those chunks are not kept")
-        finally:
-            if self.journal is not None:
-                self.journal.close()
-            if self.slabs is not None:
-                self.slabs.close()
-            self.ns.close()  # releases the flock
+        finally:  # each part released even when another's close fails (a dead network client)
+            for what, close in (("journal", self.journal.close if self.journal is not None else None),
+                                ("slabs", self.slabs.close if self.slabs is not None else None),
+                                ("lock", self.ns.close)):  # the namespace's close releases the flock
+                if close is None:
+                    continue
+                try:
+                    close()
+                except OSError as exc:
+                    log_once(f"tutti: closing the store at {self.namespaces[0]!r}: its {what} reported {exc}")
 
     def __enter__(self) -> "ChunkStore":
         return self

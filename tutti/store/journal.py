@@ -507,6 +507,7 @@ class Journal:
         self.skipped_records = 0  # invalid or damaged records skipped at the last replay
         self.skipped_details: list[tuple[int, str]] = []  # (byte offset, reason) of the first few of them
         self.followed_bytes = 0  # bytes the last follow() read
+        self._missing = 0  # follows in a row that found no file
         self._warned: set[tuple[int | None, int]] = set()  # (inode, offset) of skipped records logged
         if writer:
             self._open_writer()
@@ -590,11 +591,17 @@ class Journal:
             fd = self._open(os.O_RDONLY)
         except FileNotFoundError:
             self.followed_bytes = 0
-            if self._seen is not None or self.entries:
+            # A file missing once is kept for one more follow: on a distributed file system an
+            # open racing the writer's rename (compaction) can find no file for an instant, and
+            # dropping every entry then failed the loads in flight and struck that writer's chunks
+            # for good (tests/distributed). Missing again: the writer's journal is gone.
+            self._missing += 1
+            if self._missing >= 2 and (self._seen is not None or self.entries):
                 self._seen = None
                 self._replay(None, 0)
                 return True
             return False
+        self._missing = 0
         try:
             st = os.fstat(fd)
             sig = _signature(st)
@@ -800,11 +807,16 @@ class Journal:
             raise RuntimeError(f"journal {self.path} is closed")
 
     def close(self) -> None:
-        """Close the file. Records not yet synced are dropped, as a crash would drop them."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Close the file. Records not yet synced are dropped, as a crash would drop them. The
+        descriptor is released whatever close reports (a FUSE client that died reports ENOTCONN):
+        never closed twice, never raised to a caller closing everything else."""
+        fd, self._fd = self._fd, None
         self._pending.clear()
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _signature(st: os.stat_result) -> tuple[int, int, int]:

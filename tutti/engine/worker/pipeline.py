@@ -481,14 +481,14 @@ class WorkerPipeline:
             return
         self._closed = True
         self.flush()
-        if self.async_loads is not None:
-            self.async_loads.close()
-        self.writer.close()
-        if self.copier is not None:
-            self.copier.close()
-        self.queue.close()
-        self.store.close()
-        for st, _ in self.ctx.lower:
-            st.close()
-        if self.foreign is not None:
-            self.foreign.close()
+        # each part released even when another's close fails (a store on a network client that died)
+        parts = [self.async_loads.close if self.async_loads is not None else None, self.writer.close,
+                 self.copier.close if self.copier is not None else None, self.queue.close, self.store.close,
+                 *(st.close for st, _ in self.ctx.lower), self.foreign.close if self.foreign is not None else None]
+        for close in parts:
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - shutting down: the rest still closes
+                log.exception("tutti: closing the worker: %r failed", close)
