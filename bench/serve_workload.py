@@ -181,6 +181,8 @@ VARIANTS: dict[str, dict] = {
     # the disk's whole loads read layer by layer (`whole_loads: layer`; the default reads a
     # chunk's slot at once: tutti.engine.worker.loads.file_chunks)
     "tutti_disk_layer": {"whole_loads": "layer"},
+    # the tiers, writing a chunk down only when it nears eviction from the full RAM tier
+    "tutti_tiered_back": {"write_policy": "back"},
 }
 
 
@@ -191,8 +193,9 @@ def roots_of(case: str, a) -> list[str]:
     """Every directory a case writes (removed before and after it)."""
     if case == "tier_fs" or case == "tier_tutti":
         return [f"{a.disk_root}-{case}"]
-    if case == "tutti_tiered":
-        return [f"{a.shm_root}-tiered", f"{a.disk_root}-tiered"]
+    if case.startswith("tutti_tiered"):
+        tag = "tiered" + case[len("tutti_tiered"):]
+        return [f"{a.shm_root}-{tag}", f"{a.disk_root}-{tag}"]
     return [root_of(case, a)] if case.startswith("tutti") else []
 
 
@@ -219,7 +222,7 @@ def connector(case: str, a) -> dict | None:
     if case not in ("tutti_shm", "tutti_disk", "tutti_tiered") and case not in VARIANTS:
         raise SystemExit(f"--cases: {case!r}: expected none, none_gpu, offloading, tutti_shm, tutti_disk, "
                          f"{', '.join(TIERED)} or one of {sorted(VARIANTS)}")
-    if case == "tutti_tiered":
+    if case.startswith("tutti_tiered"):
         ram, disk = roots_of(case, a)
         where = {"tiers": [{"root": ram, "capacity_bytes": a.capacity_bytes},
                            {"root": disk, "capacity_bytes": a.disk_capacity_bytes}]}
