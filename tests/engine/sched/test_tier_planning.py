@@ -203,3 +203,43 @@ def test_after_a_restart_write_through_writes_down_what_the_first_tier_alone_hol
     assert [(c.key, c.src, c.dst) for c in nxt.copies] == [(keys[1], 0, 1)]
     assert keys[1] in p.index and p.index.is_pinned(keys[1])  # held until its copy is down
     assert len(nxt.stores) == 1 and keys[0] not in p.index  # the clean one made room
+
+
+def test_write_downs_in_flight_are_bounded_so_a_slow_drive_never_fills_the_first_tier_with_pins():
+    """A tier of 256 slots pins at most 32 chunks (an eighth) for write-downs at once; the rest
+    wait unpinned, oldest first, and new stores still find room."""
+    p = tiered(ram=256, disk=512)
+    keys = []
+    for i in range(40):  # 40 one-chunk prompts committed, no copy reported (a slow drive)
+        plan = prefill(p, f"r{i}", list(range(100 * i, 100 * i + 65)), [1, 2, 3])
+        p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+        keys.append(plan.stores[0].key)
+    # each prefill's step planned the write-down of the one before it, until 32 were in flight
+    assert [k for k in keys if p.index.is_pinned(k)] == keys[:32]
+    assert p.build_step({}, {}).copies == []  # none reported: nothing more is pinned
+    p.on_report(WorkerReport(stored=[t for t, tk in p._tickets.items() if tk.copy]))
+    nxt = p.build_step({}, {})
+    assert [c.key for c in nxt.copies] == keys[32:40]  # the rest, oldest first
+    assert p.tier_stats.writedowns[1] == 32
+
+
+def test_a_promotion_never_evicts_a_chunk_no_tier_below_holds():
+    """Promoting is optional (the chunk is below already): it takes the place of a clean chunk or
+    none, never of one whose write-down has not come (its only copy)."""
+    p = tiered(ram=2)
+    keys = p._request("setup", list(range(129))).keys[:2]
+    other = p._request("other", list(range(5000, 5065))).keys[0]
+    p.index.plan_store(keys)
+    for k in keys:
+        p.index.commit(k)  # the first tier full of chunks not written down
+    p.lower[0].index.plan_store([other])
+    p.lower[0].index.commit(other)
+    p._queue_up(other, 1)
+    assert p.build_step({}, {}).copies == []  # no clean chunk to give up: not promoted
+    assert all(k in p.index for k in keys) and p.tier_stats.evictions[0] == 0
+    p.lower[0].index.plan_store(keys[:1])
+    p.lower[0].index.commit(keys[0])  # one of them is written down now
+    p._queue_up(other, 1)
+    up = p.build_step({}, {})
+    assert [(c.key, c.src, c.dst) for c in up.copies] == [(other, 1, 0)] and keys[0] not in p.index
+    assert keys[1] in p.index

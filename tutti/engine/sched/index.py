@@ -107,7 +107,7 @@ class ChunkIndex:
         return self._pins.get(key, 0) > 0
 
     # -- stores --------------------------------------------------------------------------
-    def plan_store(self, keys: Sequence[bytes]) -> StoreReservation:
+    def plan_store(self, keys: Sequence[bytes], evictable: Callable[[bytes], bool] | None = None) -> StoreReservation:
         """Reserve one slot per new key, evicting unpinned LRU chunks as needed.
 
         Keys already resident or pending are not reserved again. Keys for which nothing can
@@ -123,7 +123,7 @@ class ChunkIndex:
                 self._free.append(self._next)
                 self._next += 1
             if not self._free:
-                victim = self._victim()
+                victim = self._victim(evictable)
                 if victim is None:
                     declined.append(key)
                     continue
@@ -136,13 +136,21 @@ class ChunkIndex:
             slots[key] = slot
         return StoreReservation(slots, evicted, declined)
 
-    def _victim(self) -> bytes | None:
+    def _victim(self, evictable: Callable[[bytes], bool] | None = None) -> bytes | None:
         """The first unpinned resident chunk in eviction order; with `dirty`, the first clean one
-        among the next DIRTY_SCAN, else the first dirty one (its eviction loses it)."""
+        among the next DIRTY_SCAN, else the first dirty one (its eviction loses it). `evictable`:
+        only chunks it accepts, among the next DIRTY_SCAN (None: none found)."""
         fallback = None
         scanned = 0
         for k in self.eviction.order():
             if k not in self._resident or self.is_pinned(k):
+                continue
+            if evictable is not None:
+                if evictable(k):
+                    return k
+                scanned += 1
+                if scanned >= DIRTY_SCAN:
+                    return None
                 continue
             if self.dirty is None or not self.dirty(k):
                 return k

@@ -55,6 +55,7 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
             for t in range(len(self.lower)):
                 self.tier_index(t).dirty = self._dirty(t)
         self._burst = 0  # the most chunks a recent step stored (decaying): what "back" keeps clean ahead
+        self._down_in_flight = [0] * (1 + len(self.lower))  # write-downs planned and not reported, per source tier
         self._down: list[tuple[bytes, int]] = []  # committed in a tier, to be copied to the next one down
         self._up: list[tuple[bytes, int]] = []  # loaded from a lower tier, to be promoted into tier 0
         self.chunk_tokens = chunk_tokens

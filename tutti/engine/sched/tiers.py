@@ -30,6 +30,12 @@ log = logging.getLogger("tutti.engine")
 WRITE_POLICIES = ("through", "back")
 #: write_policy "back": the share of a full tier's slots, at its evicting end, kept written down
 BACK_AHEAD = 1 / 16
+#: the share of a tier's slots its write-downs in flight may hold pinned (at least DOWN_IN_FLIGHT_MIN
+#: chunks): where the drive writes slower than the tier stores, the rest wait their turn unpinned
+#: (the oldest first), so new stores still find room, and a chunk given up before its turn is
+#: counted as dropped
+DOWN_IN_FLIGHT = 1 / 8
+DOWN_IN_FLIGHT_MIN = 16
 
 
 @dataclass
@@ -142,9 +148,13 @@ class TierPlanning:
         if self.write_policy == "back":
             for t in range(len(self.lower)):
                 self._clean_ahead(t)
-        down, self._down = self._down, []
+        down, self._down = list(dict.fromkeys(self._down)), []
         up, self._up = self._up, []
-        for key, src in dict.fromkeys(down):
+        for n, (key, src) in enumerate(down):
+            cap = max(DOWN_IN_FLIGHT_MIN, int(self.tier_index(src).num_slots * DOWN_IN_FLIGHT))
+            if self._down_in_flight[src] >= cap:
+                self._down = down[n:]  # their turn comes as copies are reported
+                break
             self._plan_copy(plan, key, src, src + 1)
         for key, src in dict.fromkeys(up):
             if key in self.index or self.index.is_pending(key):
@@ -191,9 +201,15 @@ class TierPlanning:
     def _plan_copy(self, plan: StepPlan, key: bytes, src: int, dst: int) -> None:
         s_index, d_index = self.tier_index(src), self.tier_index(dst)
         src_slot = s_index.slot_of(key)
-        if src_slot is None or key in d_index or d_index.is_pending(key):
-            return  # gone meanwhile (dropped as corrupt), or already there
-        res = d_index.plan_store([key])
+        if key in d_index or d_index.is_pending(key):
+            return  # already there
+        if src_slot is None:  # given up (evicted before its turn, or dropped as corrupt)
+            if dst > src and self.write_policy == "through" and not self.held_anywhere(key, but=src):
+                self.tier_stats.dropped += 1
+            return
+        # a promotion only ever takes the place of a chunk a tier below holds: never the only copy
+        res = d_index.plan_store([key], evictable=(lambda k: self._in_lower(k, below=dst) is not None)
+                                 if dst < src else None)
         if dst == 0:
             self.stats.evictions += len(res.evicted)
         self._removed(dst, list(res.evicted))
@@ -203,6 +219,8 @@ class TierPlanning:
                 self.tier_stats.dropped += 1
             return
         s_index.pin([key])
+        if dst > src:
+            self._down_in_flight[src] += 1
         ticket = next(self._ticket_ids)
         self._tickets[ticket] = StoreTicket(key, "", copy=(src, dst))
         plan.copies.append(CopyChunk(key, src, src_slot, dst, slot, ticket))
@@ -213,6 +231,8 @@ class TierPlanning:
         let its source go."""
         src, dst = tk.copy
         self.tier_index(src).unpin([tk.key])
+        if dst > src:
+            self._down_in_flight[src] -= 1
         d_index = self.tier_index(dst)
         if not ok:
             d_index.abort(tk.key)
