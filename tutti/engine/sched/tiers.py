@@ -9,9 +9,11 @@ eviction order, or twice the most chunks a recent step stored, whichever is more
 agrees it is worth a drive write: a working set that fits the tier
 never writes the drive. The tier then gives up clean chunks (held below) before dirty ones, and a
 dirty chunk it must give up anyway is counted as dropped. A chunk a hit loaded from a lower
-tier is copied up into tier 0 when tier 0's admission agrees (a promotion). The source of a copy
-is pinned until the copy is reported, so a chunk is never evicted while its write-down is in
-flight. A chunk is announced ("stored") when the first tier takes it and withdrawn ("removed")
+tier is copied up into tier 0 when tier 0's admission agrees (a promotion), only ever in place of
+a chunk a tier below holds. The source of a copy is pinned until the copy is reported, so a chunk
+is never evicted while its write-down is in flight; write-downs in flight are bounded
+(DOWN_IN_FLIGHT), so a drive slower than the stores never fills a tier with pins (the rest wait
+their turn, and one given up before it is counted as dropped). A chunk is announced ("stored") when the first tier takes it and withdrawn ("removed")
 when the last tier gives it up.
 """
 
