@@ -9,19 +9,13 @@ import time
 
 from nodes import BPC, Server, prompt, wait_for
 
-from tutti.engine.build import build_planner
-from worker_helpers import geometry
-import nodes
-
 FOLLOW_LIMIT_S = 5.0  # stated: stored on node a, announced by node b's server within this
 
 
 def test_a_reader_on_another_node_announces_what_the_writer_stored_and_withdraws_it(on_volume):
     root_a, root_b = on_volume
-    a, b = Server(root_a, "a", 0), Server(root_b, "b", 1)
-    for s, w in ((a, "a"), (b, "b")):  # planners that announce (kv_events_endpoint set, as a server with events)
-        s.planner.foreign.close()
-        s.planner = build_planner(nodes.cfg(root_a if s is a else root_b, w), geometry(), announce=True)
+    # planners that announce (kv_events_endpoint set, as a server with events)
+    a, b = Server(root_a, "a", 0, announce=True), Server(root_b, "b", 1, announce=True)
     try:
         _, _, plan = a.request("r1", prompt(5, 2), list(range(0, 2 * BPC + 1)))
         keys = [st.key for st in plan.stores]

@@ -14,50 +14,14 @@ import torch
 from tutti.engine.build import build_planner, build_worker
 from tutti.store.chunk_store import StoreLockedError, list_writers
 
-from worker_helpers import B, L, T, geometry, make_caches, run_step, views
+from worker_helpers import L, T, Server, geometry, make_caches, prompt, run_step, server_cfg, views
 from tutti.kernels import PagedLayout
 
 BPC = 2  # blocks per chunk (T tokens, N per block)
 
 
 def cfg(root, writer, **kw):
-    c = {"root": str(root), "capacity_bytes": 4 * geometry().slot_bytes, "chunk_tokens": T, "writer_id": writer,
-         "staging_bytes": 16 * 16384, "staging_slots": 16, "max_inflight_stores": 8, "lookahead": 1,
-         "follow_interval_s": 0.05}
-    c.update(kw)
-    return c
-
-
-class Server:
-    """A planner and one worker, as a vLLM server would build them."""
-
-    def __init__(self, root, writer, seed, **kw):
-        self.caches = make_caches(seed)
-        v = views(self.caches)
-        layout = PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim"))
-        self.planner = build_planner(cfg(root, writer, **kw), geometry())
-        self.worker = build_worker(cfg(root, writer, **kw), geometry(), caches=v, layout=layout)
-
-    def request(self, req, tokens, blocks):
-        """match, allocate, one step computing the rest of the prompt; returns hit tokens and failures."""
-        hit = self.planner.match(req, tokens, 0)
-        self.planner.on_alloc(req, blocks, hit)
-        plan = self.planner.build_step({req: len(tokens) - hit}, {req: hit})
-        run_step(self.worker, plan)
-        self.worker.flush()
-        failed = self.worker.take_failed_blocks()
-        self.planner.on_report(self.worker.take_report())
-        self.planner.finished(req)
-        return hit, failed, plan
-
-    def close(self):
-        self.planner.foreign.close()
-        self.worker.close()
-
-
-def prompt(seed, chunks):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, 1000, (chunks * T + 1,), generator=g).tolist()
+    return server_cfg(root, writer, **kw)
 
 
 def wait_for(cond, timeout=5.0):
@@ -101,18 +65,7 @@ def test_replicas_with_private_ram_tiers_share_their_disk_tier(tmp_path):
         return {"tiers": [{"root": str(tmp_path / name / "ram"), "capacity_bytes": 4 * geometry().slot_bytes},
                           {"root": str(tmp_path / "disk"), "capacity_bytes": 8 * geometry().slot_bytes}]}
 
-    def server(name, writer, seed):
-        s = Server.__new__(Server)
-        s.caches = make_caches(seed)
-        v = views(s.caches)
-        c = cfg(tmp_path, writer, **tiers(name))
-        del c["root"], c["capacity_bytes"]
-        s.planner = build_planner(c, geometry())
-        s.worker = build_worker(c, geometry(), caches=v, layout=PagedLayout.from_tensor(
-            v[0], ("block", "head", "kv", "token", "dim")))
-        return s
-
-    a, b = server("a", "a", 0), server("b", "b", 1)
+    a, b = Server(tmp_path, "a", 0, **tiers("a")), Server(tmp_path, "b", 1, **tiers("b"))
     try:
         p = prompt(3, 2)
         hit, _, plan = a.request("r1", p, list(range(0, 2 * BPC + 1)))
@@ -264,17 +217,10 @@ def test_another_writers_chunk_rewritten_mid_step_is_never_served_even_with_chec
         b.close()
 
 
-class AutoServer(Server):
-    """A server from the shared config with no writer id: its worker first (as vLLM builds them),
-    then its scheduler, which learns the slot the worker took under vLLM's engine id."""
-
-    def __init__(self, root, engine_id, seed):
-        self.caches = make_caches(seed)
-        v = views(self.caches)
-        layout = PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim"))
-        c = cfg(root, "auto")
-        self.worker = build_worker(c, geometry(), caches=v, layout=layout, engine_id=engine_id)
-        self.planner = build_planner(c, geometry(), engine_id=engine_id)
+def AutoServer(root, engine_id, seed):
+    """A server from the shared config with no writer id (its worker takes a slot, its scheduler
+    learns it under vLLM's engine id)."""
+    return Server(root, "auto", seed, engine_id=engine_id)
 
 
 def test_identical_configs_find_their_own_writer_slots(tmp_path):
@@ -321,12 +267,8 @@ def test_every_reader_announces_another_writers_chunks_and_their_removal(tmp_pat
     """With `announce`, a writer records its chunks' extras beside its journal; every other
     writer's follower queues ("stored", key, extras) within the follow interval once the chunk is
     durable there, and ("removed", key, extras) when its owner evicts it."""
-    a = Server(tmp_path, "a", 0)
-    b = Server(tmp_path, "b", 1)
-    a.planner.foreign.close()
-    b.planner.foreign.close()
-    a.planner = build_planner(cfg(tmp_path, "a"), geometry(), announce=True)
-    b.planner = build_planner(cfg(tmp_path, "b"), geometry(), announce=True)
+    a = Server(tmp_path, "a", 0, announce=True)
+    b = Server(tmp_path, "b", 1, announce=True)
     try:
         assert a.planner.writer_id == "a" and a.planner.extras is not None
         p = prompt(3, 2)

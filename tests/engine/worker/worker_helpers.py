@@ -7,7 +7,7 @@ import time
 import torch
 
 from tutti.engine.plan import StepPlan, StoreChunk
-from tutti.engine.build import Geometry, build_worker
+from tutti.engine.build import Geometry, build_planner, build_worker
 from tutti.io.queue import WrappedQueue
 from tutti.kernels import PagedLayout
 
@@ -150,3 +150,53 @@ def _run_whole(w, step, loads, how):
         done, failed, blocks = w.received_requests()
     assert done | failed == {"q"}
     return blocks
+
+
+def server_cfg(root, writer, capacity_chunks: int = 4, **kw) -> dict:
+    """A server's config over `root` as `writer` ("auto": found at start-up); `tiers` in `kw`
+    replaces the root and capacity."""
+    c = {"root": str(root), "capacity_bytes": capacity_chunks * geometry().slot_bytes, "chunk_tokens": T,
+         "writer_id": writer, "staging_bytes": 16 * 16384, "staging_slots": 16, "max_inflight_stores": 8,
+         "lookahead": 1, "follow_interval_s": 0.05}
+    if "tiers" in kw:
+        del c["root"], c["capacity_bytes"]
+    c.update(kw)
+    return c
+
+
+class Server:
+    """A planner and one worker over one config, built as vLLM builds them: the worker first, then
+    the scheduler, which learns the writer slot an "auto" worker took under `engine_id`.
+    `announce`: the planner records and follows chunks' extras (KV events)."""
+
+    def __init__(self, root, writer, seed, *, engine_id: str = "", announce: bool = False,
+                 capacity_chunks: int = 4, **kw) -> None:
+        self.caches = make_caches(seed)
+        v = views(self.caches)
+        layout = PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim"))
+        c = server_cfg(root, writer, capacity_chunks, **kw)
+        self.worker = build_worker(c, geometry(), caches=v, layout=layout, engine_id=engine_id)
+        self.planner = build_planner(c, geometry(), engine_id=engine_id, announce=announce)
+        self.writer_id = self.worker.cfg.writer_id
+
+    def request(self, req, tokens, blocks):
+        """match, allocate, one step computing the rest of the prompt; (hit tokens, failed blocks, plan)."""
+        hit = self.planner.match(req, tokens, 0)
+        self.planner.on_alloc(req, blocks, hit)
+        plan = self.planner.build_step({req: len(tokens) - hit}, {req: hit})
+        run_step(self.worker, plan)
+        self.worker.flush()
+        failed = self.worker.take_failed_blocks()
+        self.planner.on_report(self.worker.take_report())
+        self.planner.finished(req)
+        return hit, failed, plan
+
+    def close(self) -> None:
+        self.planner.foreign.close()
+        self.worker.close()
+
+
+def prompt(seed: int, chunks: int) -> list[int]:
+    """`chunks` whole chunks of seeded token ids and one token more."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1000, (chunks * T + 1,), generator=g).tolist()
