@@ -167,3 +167,67 @@ def write_weights(model_dir: str | os.PathLike, seed: int) -> Path:
     out = Path(model_dir) / "model.safetensors"
     save_file(w, str(out))
     return out
+
+
+def disk_state(root: Path) -> tuple[int, int]:
+    """(latest slab write time, journal length) of the namespace under `root`."""
+    slab = journal = 0
+    for p in root.glob("tutti-*/*"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        if p.name.startswith("slab-"):
+            slab = max(slab, st.st_mtime_ns)
+        elif p.name == "journal.bin":
+            journal = st.st_size
+    return slab, journal
+
+
+def kill_mid_write(code: str, watch: Path, *, from_batch: int, by_batch: int,
+                   timeout_s: float = 240) -> tuple[list[int], bool]:
+    """Run `code` (a server printing "BATCH i" after each batch) in a fresh interpreter and SIGKILL
+    it, once `from_batch` batches are done, at a moment when `watch`'s slabs are being written that
+    its journal does not name yet (a write in flight), or after `by_batch` batches. Returns the
+    batches printed and whether the kill landed mid-write."""
+    import signal
+    import sys
+    import threading
+    import time
+
+    env = dict(os.environ, **harness.ENV_DEFAULTS)
+    repo = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), str(repo / "tests" / "vllm"), env.get("PYTHONPATH", "")])
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env, cwd=str(repo))
+    batches: list[int] = []
+
+    def read() -> None:
+        for line in child.stdout:
+            if line.startswith("BATCH "):
+                batches.append(int(line.split()[1]))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    in_flight_seen = False
+    last = (0, 0)
+    try:
+        while time.monotonic() < deadline and child.poll() is None:
+            now = disk_state(watch)
+            if len(batches) >= from_batch and now[0] > last[0] and now[1] == last[1] and last[0] > 0:
+                in_flight_seen = True
+                break
+            if len(batches) >= by_batch:
+                break
+            last = now
+            time.sleep(0.002)
+        assert child.poll() is None, f"child exited early: {child.stderr.read()[-3000:]}"
+        child.send_signal(signal.SIGKILL)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=30)
+    reader.join(timeout=5)
+    assert child.returncode == -signal.SIGKILL
+    return batches, in_flight_seen

@@ -3,16 +3,11 @@ new server on the same root serves exactly those, with outputs identical to reco
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import harness
-from relkit import CHUNK, connector_of, engine, kv_config, prompt, reference, tokens, verify_store, only_namespace
+from relkit import (CHUNK, connector_of, engine, kill_mid_write, kv_config, only_namespace, prompt, reference, tokens,
+                    verify_store)
 
 AREA = "crash (SIGKILL)"
 PER_BATCH, PROMPT_LEN = 16, 8 * CHUNK + 5
@@ -31,65 +26,16 @@ main({model!r}, {kvt!r})
 """
 
 
-def _disk_state(root: Path) -> tuple[int, int]:
-    """(latest slab write time, journal length)."""
-    slab = journal = 0
-    for p in root.glob("tutti-*/*"):
-        try:
-            st = p.stat()
-        except FileNotFoundError:
-            continue
-        if p.name.startswith("slab-"):
-            slab = max(slab, st.st_mtime_ns)
-        elif p.name == "journal.bin":
-            journal = st.st_size
-    return slab, journal
-
-
 def test_sigkill_mid_store_then_fresh_server(tiny_model, tmp_path, report):
     root = tmp_path / "kv"
     # 160 chunks: batch 0 stores 128, from batch 1 on every store overwrites an evicted slot,
     # the riskiest moment to die (the old chunk's bytes are being replaced)
     kvt = kv_config(root, capacity=SLOTS * SLOT_BYTES)
-    env = dict(os.environ, **harness.ENV_DEFAULTS)
-    repo = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), str(repo / "tests" / "vllm"), env.get("PYTHONPATH", "")])
     code = CHILD.format(here=str(Path(__file__).parent), model=str(tiny_model), kvt=kvt)
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env, cwd=str(repo))
-    batches: list[int] = []
-
-    def read() -> None:
-        for line in child.stdout:
-            if line.startswith("BATCH "):
-                batches.append(int(line.split()[1]))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     # Kill at a moment when segments are being written that the journal does not name yet (a
     # store in flight), once evicted slots are being overwritten (batch 1 done); fall back to a
     # plain kill after batch 4.
-    deadline = time.monotonic() + 240
-    in_flight_seen = False
-    last = (0, 0)
-    try:
-        while time.monotonic() < deadline and child.poll() is None:
-            now = _disk_state(root)
-            if len(batches) >= 2 and now[0] > last[0] and now[1] == last[1] and last[0] > 0:
-                in_flight_seen = True
-                break
-            if len(batches) >= 5:
-                break
-            last = now
-            time.sleep(0.002)
-        assert child.poll() is None, f"child exited early: {child.stderr.read()[-3000:]}"
-        child.send_signal(signal.SIGKILL)
-    finally:
-        if child.poll() is None:
-            child.kill()
-        child.wait(timeout=30)
-    reader.join(timeout=5)
-    assert child.returncode == -signal.SIGKILL
+    batches, in_flight_seen = kill_mid_write(code, root, from_batch=2, by_batch=5)
     assert len(batches) >= 2, "killed before any slot was overwritten"
     started = max(batches) + 2  # batches printed, plus the one being generated when killed
 

@@ -4,16 +4,11 @@ serves exactly those, from whichever tier holds them, with outputs identical to 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import harness
-from relkit import CHUNK, connector_of, engine, kv_config, prompt, reference, tokens, verify_store, only_namespace
+from relkit import (CHUNK, connector_of, engine, kill_mid_write, kv_config, only_namespace, prompt, reference, tokens,
+                    verify_store)
 
 AREA = "crash (SIGKILL), tiers"
 PER_BATCH, PROMPT_LEN = 16, 8 * CHUNK + 5
@@ -43,56 +38,14 @@ main({model!r}, {kvt!r}, test_tiers_crash.batch_prompts)
 """
 
 
-def _journal_len(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.glob("tutti-*/journal.bin") if p.exists())
-
-
-def _slab_mtime(root: Path) -> int:
-    return max((p.stat().st_mtime_ns for p in root.glob("tutti-*/slab-*") if p.exists()), default=0)
-
-
 def test_sigkill_mid_write_down_then_fresh_server(tiny_model, tmp_path, report):
     kvt = tiered(tmp_path)
-    env = dict(os.environ, **harness.ENV_DEFAULTS)
-    repo = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), str(repo / "tests" / "vllm"), env.get("PYTHONPATH", "")])
     code = CHILD.format(here=str(Path(__file__).parent), model=str(tiny_model), kvt=kvt)
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env, cwd=str(repo))
-    batches: list[int] = []
-
-    def read() -> None:
-        for line in child.stdout:
-            if line.startswith("BATCH "):
-                batches.append(int(line.split()[1]))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     # Kill while the disk tier's slabs are being written and its journal does not name the copy
     # yet (a write-down in flight), once the RAM tier has evicted (batch 3 on: 3 x 16 x 8 chunks
     # went through 48 RAM slots); fall back to a plain kill after batch 6.
     disk = tmp_path / "disk"
-    deadline = time.monotonic() + 240
-    in_flight_seen = False
-    last = (0, 0)
-    try:
-        while time.monotonic() < deadline and child.poll() is None:
-            now = (_slab_mtime(disk), _journal_len(disk))
-            if len(batches) >= 3 and now[0] > last[0] and now[1] == last[1] and last[0] > 0:
-                in_flight_seen = True
-                break
-            if len(batches) >= 6:
-                break
-            last = now
-            time.sleep(0.002)
-        assert child.poll() is None, f"child exited early: {child.stderr.read()[-3000:]}"
-        child.send_signal(signal.SIGKILL)
-    finally:
-        if child.poll() is None:
-            child.kill()
-        child.wait(timeout=30)
-    reader.join(timeout=5)
-    assert child.returncode == -signal.SIGKILL
+    batches, in_flight_seen = kill_mid_write(code, disk, from_batch=3, by_batch=6)
     assert len(batches) >= 3, "killed before the RAM tier evicted anything"
     started = max(batches) + 2
 

@@ -27,6 +27,13 @@ def tiered(tmp_path, caches, writer_id="", disk=None, **lower):
     return build_worker(cfg, geometry(), caches=v, layout=PagedLayout.from_tensor(v[0], ("block", "head", "kv", "token", "dim")))
 
 
+def step(w, plan):
+    """One step of `plan`, its stores and copies done: the worker's report."""
+    run_step(w, plan)
+    w.flush()
+    return w.take_report()
+
+
 @pytest.mark.parametrize("medium", ["file", "tests.store.memory_medium:MemoryMedium"])
 def test_a_chunk_copied_down_loads_back_from_the_lower_tier_bit_exact(tmp_path, medium):
     """Each tier with its own medium: the lower one on slab files, or in memory (the medium seam's example)."""
@@ -34,21 +41,15 @@ def test_a_chunk_copied_down_loads_back_from_the_lower_tier_bit_exact(tmp_path, 
     w = tiered(tmp_path, caches, medium=medium)
     key = b"k" * 32
     want = block_bytes(caches, [2, 3])
-    run_step(w, StepPlan(1, stores=[StoreChunk("r", key, 5, (2, 3), ticket=1)]))
-    w.flush()
-    assert w.take_report().stored == [1]
-    run_step(w, StepPlan(2, copies=[CopyChunk(key, 0, 5, 1, 9, ticket=2)]))
-    w.flush()
-    rep = w.take_report()
+    assert step(w, StepPlan(1, stores=[StoreChunk("r", key, 5, (2, 3), ticket=1)])).stored == [1]
+    rep = step(w, StepPlan(2, copies=[CopyChunk(key, 0, 5, 1, 9, ticket=2)]))
     assert rep.stored == [2] and not rep.store_failed
     lower, journal = w.ctx.lower[0]
     assert type(lower.slabs.medium).__name__ == ("FileMedium" if medium == "file" else "MemoryMedium")
     assert lower.get(9).key == key and journal.checksums(9, key) == w.journal.checksums(5, key)
     for c in caches:
         c[[10, 11]] = 0
-    run_step(w, StepPlan(3, loads=[LoadChunk("q", key, 9, (10, 11), tier=1)]))
-    w.flush()
-    rep = w.take_report()
+    rep = step(w, StepPlan(3, loads=[LoadChunk("q", key, 9, (10, 11), tier=1)]))
     assert not rep.load_failed and rep.steps_done
     got = block_bytes(caches, [10, 11])
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -58,13 +59,9 @@ def test_a_chunk_copied_down_loads_back_from_the_lower_tier_bit_exact(tmp_path, 
 def test_a_copy_whose_source_is_gone_fails_alone(tmp_path):
     caches = make_caches(2)
     w = tiered(tmp_path, caches)
-    run_step(w, StepPlan(1, stores=[StoreChunk("r", b"a" * 32, 0, (2, 3), ticket=1)]))
-    w.flush()
-    w.take_report()
-    run_step(w, StepPlan(2, copies=[CopyChunk(b"b" * 32, 0, 0, 1, 0, ticket=7),  # not what slot 0 holds
+    step(w, StepPlan(1, stores=[StoreChunk("r", b"a" * 32, 0, (2, 3), ticket=1)]))
+    rep = step(w, StepPlan(2, copies=[CopyChunk(b"b" * 32, 0, 0, 1, 0, ticket=7),  # not what slot 0 holds
                                     CopyChunk(b"a" * 32, 0, 0, 1, 1, ticket=8)]))
-    w.flush()
-    rep = w.take_report()
     assert rep.store_failed == [7] and rep.stored == [8] and w.copier.failed == 1
     w.close()
 
@@ -84,11 +81,8 @@ def test_a_lower_tier_another_server_writes_as_this_writer_is_refused_with_the_f
 def test_a_restarted_worker_probes_its_lower_tier_and_reports_the_rate(tmp_path):
     caches = make_caches(4)
     w = tiered(tmp_path, caches)
-    run_step(w, StepPlan(1, stores=[StoreChunk("r", b"p" * 32, 0, (2, 3), ticket=1)]))
-    w.flush()
-    w.take_report()
-    run_step(w, StepPlan(2, copies=[CopyChunk(b"p" * 32, 0, 0, 1, 3, ticket=2)]))
-    w.flush()
+    step(w, StepPlan(1, stores=[StoreChunk("r", b"p" * 32, 0, (2, 3), ticket=1)]))
+    step(w, StepPlan(2, copies=[CopyChunk(b"p" * 32, 0, 0, 1, 3, ticket=2)]))
     w.close()
     again = tiered(tmp_path, caches)
     again.warm_up()
@@ -96,3 +90,4 @@ def test_a_restarted_worker_probes_its_lower_tier_and_reports_the_rate(tmp_path)
     rep = again.take_report()
     assert nbytes > 0 and rep.lower_rate_bytes == nbytes and rep.lower_rate_seconds == seconds > 0
     again.close()
+
