@@ -55,11 +55,11 @@ def with_codec(geom: Geometry, cfg: EngineConfig) -> Geometry:
     return geom.with_codec(get_codec(cfg.codec))
 
 
-def check_capacity(cfg: EngineConfig, geom: Geometry) -> int:
+def check_capacity(cfg: EngineConfig, geom: Geometry, key: str = "capacity_bytes") -> int:
     num_slots = cfg.capacity_bytes // geom.slot_bytes
     if num_slots < 1:
         raise ConfigError(
-            f"capacity_bytes={cfg.capacity_bytes}: smaller than one chunk "
+            f"{key}={cfg.capacity_bytes}: smaller than one chunk "
             f"({geom.slot_bytes} B = {geom.num_layers} layers x {geom.stored_segment_bytes} B segments); "
             f"expected at least {geom.slot_bytes}"
         )
@@ -79,6 +79,8 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
             f"block_size={geom.block_size}; try {max(1, round(geom.chunk_tokens / geom.block_size)) * geom.block_size}"
         )
     num_slots = check_capacity(cfg, geom)
+    for i in range(1, 1 + len(cfg.tiers)):  # each tier below holds a chunk too, checked before any file
+        check_capacity(cfg.tier(i), geom, f"tiers[{i}].capacity_bytes")
     if cfg.staging_auto:
         return num_slots  # sized for this geometry by sized_staging (the worker's half)
     if geom.segment_bytes > cfg.staging_slot_bytes:
@@ -344,7 +346,6 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
     try:
         for i in range(1, 1 + len(cfg.tiers)):
             tcfg = cfg.tier(i)
-            check_capacity(tcfg, geom)
             try:
                 lower.append(open_store(tcfg, tcfg.roots, geom.fingerprint(), writer_id=cfg.writer_id,
                                         writer=geom.writes, access=access,

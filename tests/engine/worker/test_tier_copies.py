@@ -91,3 +91,10 @@ def test_a_restarted_worker_probes_its_lower_tier_and_reports_the_rate(tmp_path)
     assert nbytes > 0 and rep.lower_rate_bytes == nbytes and rep.lower_rate_seconds == seconds > 0
     again.close()
 
+
+def test_a_lower_tier_smaller_than_a_chunk_is_refused_by_name_before_any_file(tmp_path):
+    from tutti.engine.config.values import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.capacity_bytes=100: smaller than one chunk"):
+        tiered(tmp_path, make_caches(5), capacity_bytes=100)
+    assert list(tmp_path.iterdir()) == []  # neither tier's root was touched
