@@ -25,6 +25,7 @@ from tutti.kernels import PagedLayout
 from tutti.store.fingerprint import Fingerprint, codec_extra
 
 from tests.codec_example import HEADER, ZlibCodec
+from tests.engine.worker.worker_helpers import _run_whole, run_step
 
 ZLIB = "tests.codec_example:ZlibCodec"
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -210,14 +211,6 @@ def worker(root, caches, **kw):
     return build_worker(cfg, geometry(), caches=v, layout=layout)
 
 
-def run_step(w, plan):
-    w.start_step(plan)
-    for layer in range(L):
-        w.wait_layer(layer)
-        w.save_layer(layer)
-    w.end_step()
-
-
 def key(i: int) -> bytes:
     return bytes([i]) * 32
 
@@ -240,19 +233,7 @@ def load(w, loads, how):
     if how == "layerwise":
         run_step(w, StepPlan(2, loads=loads))
         return w.take_failed_blocks()
-    if how == "whole":
-        w.start_step(StepPlan(2, loads=loads), layerwise=False)
-        w.end_step()
-        return w.take_failed_blocks()
-    run_step(w, StepPlan(2, async_step=102, async_loads=loads))
-    w.flush()
-    deadline = time.monotonic() + 30
-    done, failed, blocks = set(), set(), set()
-    while not (done | failed) and time.monotonic() < deadline:
-        w.async_loads.wait(0.05)
-        done, failed, blocks = w.received_requests()
-    assert done | failed == {"q"}
-    return blocks
+    return _run_whole(w, 2, loads, "full_graph" if how == "whole" else "async")
 
 
 def slab(root):

@@ -15,6 +15,8 @@ from tutti.engine.build import Geometry, build_planner, build_worker
 from tutti.store.chunk_store import list_namespaces
 from tutti.kernels import PagedLayout
 
+from worker_helpers import run_step
+
 L, B, N, D = 2, 16, 16, 32  # layers, blocks, tokens/block, head size (MHA) / latent size (MLA)
 H = 1  # KV heads per rank (a 2-head model split over TP=2)
 T = 32  # chunk tokens: 2 blocks
@@ -56,14 +58,6 @@ def mha_worker(root, geom, caches, **kw):
 def mla_worker(root, geom, caches, **kw):
     layout = PagedLayout.from_tensor(caches[0], ("block", "token", "dim"))
     return build_worker(config(root, geom, **kw), geom, caches=caches, layout=layout, rank=geom.tp_rank)
-
-
-def run_step(w, plan):
-    w.start_step(plan)
-    for layer in range(L):
-        w.wait_layer(layer)
-        w.save_layer(layer)
-    w.end_step()
 
 
 def step_all(workers, plan):

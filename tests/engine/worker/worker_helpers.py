@@ -51,8 +51,9 @@ def worker(root, caches, **kw):
 
 
 def run_step(w, plan):
+    """One step of `plan` through every layer's hooks, as a forward pass calls them."""
     w.start_step(plan)
-    for layer in range(L):
+    for layer in range(w.num_layers):
         w.wait_layer(layer)
         w.save_layer(layer)
     w.end_step()
