@@ -16,7 +16,9 @@ admission policy, and the table gives each one's hit tokens (summed over the see
 to LRU's:
 
     python3 bench/eviction_sim.py --popularity zipf --zipf-s 1.0 --working-sets 0.5,1,2,4 \
-        --policies lru,fifo,lfuda,lru+seen_twice,lfuda+seen_twice
+        --policies lru,fifo,lfuda,lru+seen_twice,lfuda+seen_twice,opt
+
+"opt" is not a policy but the ceiling: Belady's MIN, which knows the future (`belady`).
 
 `--popularity uniform` (the default) sends every prefix `--repeats` times in a shuffled order;
 `zipf` draws `--num-prefixes x --repeats` requests, prefix k (from 1) with weight 1/k^s, so a
@@ -100,6 +102,9 @@ def run(a, capacity_fraction: float, seed: int, policy: str = "lru") -> dict:
         for _ in range(n_scan):
             n = rng.randint(lo, chunks_per_prefix) * a.chunk_tokens + a.suffix_len
             requests.insert(rng.randrange(len(requests) + 1), [rng.randrange(30000, 60000) for _ in range(n)])
+    if policy == "opt":
+        return _row(a, capacity_fraction, seed, policy, popularity, working_of, one_off, num_slots,
+                    *belady(requests, a.chunk_tokens, num_slots), best)
     evict, _, admit = policy.partition("+")
     p = Planner(num_slots=num_slots, chunk_tokens=a.chunk_tokens, block_size=16, seed=namespace_seed("sim"),
                 num_workers=1, slot_bytes=4096, eviction=get_eviction(evict),
@@ -116,11 +121,63 @@ def run(a, capacity_fraction: float, seed: int, policy: str = "lru") -> dict:
         plan = p.build_step({req: len(tokens) - got}, {req: got})
         p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores], steps_done=[plan.step]))
         p.finished(req)
+    return _row(a, capacity_fraction, seed, policy, popularity, working_of, one_off, num_slots, hit,
+                p.index.evictions, p.stats.stores_committed, p.stats.stores_declined, best)
+
+
+def _row(a, capacity_fraction, seed, policy, popularity, working_of, one_off, num_slots, hit, evictions,
+         committed, declined, best) -> dict:
     return {"workload": a.workload, "capacity_fraction": capacity_fraction, "slots": num_slots, "seed": seed, "hit_tokens": hit,
-            "of_repeats": round(hit / best, 3), "evictions": p.index.evictions, "policy": policy,
+            "of_repeats": round(hit / best, 3), "evictions": evictions, "policy": policy,
             "popularity": popularity if popularity == "uniform" else f"zipf{a.zipf_s:g}",
             "working_set": round(1 / capacity_fraction, 3), "working_set_of": working_of, "one_off_share": one_off,
-            "stores_committed": p.stats.stores_committed, "stores_declined": p.stats.stores_declined}
+            "stores_committed": committed, "stores_declined": declined}
+
+
+def belady(requests: list[list[int]], chunk_tokens: int, num_slots: int) -> tuple[int, int, int, int]:
+    """The ceiling no online policy passes: Belady's MIN with bypass over the same requests' chunks
+    (it knows every future request; it evicts the chunk used again farthest ahead, and stores a
+    computed chunk only if it is used again before every resident one). MIN maximises chunk hits;
+    a prefix hit also needs every chunk before it, so the prefix hits any policy gets (tutti's
+    included) are at most MIN's chunk hits, which this returns as hit tokens, with evictions,
+    stores and stores bypassed. A chunk's identity is its whole prefix, as in tutti.engine.keys."""
+    import heapq
+
+    seqs = []
+    for tokens in requests:
+        keys, h = [], 0
+        for j in range((len(tokens) - 1) // chunk_tokens):  # the chunks match() looks up: never the last token's
+            h = hash((h, tuple(tokens[j * chunk_tokens:(j + 1) * chunk_tokens])))
+            keys.append(h)
+        seqs.append(keys)
+    flat = [k for keys in seqs for k in keys]
+    nxt, last = [0] * len(flat), {}
+    for i in range(len(flat) - 1, -1, -1):
+        nxt[i] = last.get(flat[i], 1 << 62)
+        last[flat[i]] = i
+    resident: dict[int, int] = {}  # key -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, key), stale entries skipped
+    hits = evictions = stores = bypassed = 0
+    for i, k in enumerate(flat):
+        if k in resident:
+            hits += 1
+        elif nxt[i] >= 1 << 62:
+            bypassed += 1
+            continue
+        elif len(resident) < num_slots:
+            stores += 1
+        else:
+            while -heap[0][0] != resident.get(heap[0][1]):
+                heapq.heappop(heap)
+            if -heap[0][0] <= nxt[i]:  # every resident is used again sooner: do not store this one
+                bypassed += 1
+                continue
+            del resident[heapq.heappop(heap)[1]]
+            evictions += 1
+            stores += 1
+        resident[k] = nxt[i]
+        heapq.heappush(heap, (-nxt[i], k))
+    return hits * chunk_tokens, evictions, stores, bypassed
 
 
 def table(rows: list[dict]) -> str:

@@ -107,3 +107,13 @@ def test_in_the_simulator_it_beats_lru_on_zipf_and_keeps_most_of_lru_on_uniform(
     times in a shuffled order (uniform), three seeds summed (results/eviction_sim.md)."""
     assert hits("zipf", "lfuda") > hits("zipf", "lru")
     assert hits("uniform", "lfuda") >= 0.9 * hits("uniform", "lru")
+
+
+def test_the_simulators_ceiling_bounds_every_policy_and_is_minimal_by_hand():
+    """`opt` (Belady's MIN with bypass) is the ceiling results/eviction_sim.md measures the gap
+    against: by hand, one slot and prompts A, B, A keep A (B is never used again) where LRU keeps
+    B; and on Zipf no policy hits more than it."""
+    a_tokens, b_tokens = [1] * 256 + [9], [2] * 256 + [9]
+    assert eviction_sim.belady([a_tokens, b_tokens, a_tokens], 256, 1) == (256, 0, 1, 1)  # hit, evicted, stored, bypassed
+    ceiling = hits("zipf", "opt")
+    assert ceiling >= max(hits("zipf", "lru"), hits("zipf", "lfuda"), hits("zipf", "fifo"))
