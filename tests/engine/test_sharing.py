@@ -88,6 +88,124 @@ def test_replicas_with_private_ram_tiers_share_their_disk_tier(tmp_path):
         b.close()
 
 
+def _tiered_pair(tmp_path, announce=False, **kw):
+    def tiers(name):
+        (tmp_path / name).mkdir()
+        return {"tiers": [{"root": str(tmp_path / name / "ram"), "capacity_bytes": 4 * geometry().slot_bytes},
+                          {"root": str(tmp_path / "disk"), "capacity_bytes": 8 * geometry().slot_bytes}], **kw}
+
+    return (Server(tmp_path, "a", 0, announce=announce, **tiers("a")),
+            Server(tmp_path, "b", 1, announce=announce, **tiers("b")))
+
+
+def _copies(s: Server):
+    """One step of nothing but the planner's copies, run, flushed and reported; its plan."""
+    plan = s.planner.build_step({}, {})
+    run_step(s.worker, plan)
+    s.worker.flush()
+    s.planner.on_report(s.worker.take_report())
+    return plan
+
+
+def test_a_replica_promotes_a_shared_disk_tier_hit_into_its_own_ram_tier(tmp_path):
+    """Replicas with private RAM tiers over one disk tier: b's hit on a's chunk (read from a's
+    disk-tier files) is then copied into b's RAM tier ("borrowed": a keeps it below, so b never
+    writes it down), announced by b, and b's next hit is served from its own RAM, bit exact (the
+    same hit before the copy was read from a's files)."""
+    a, b = _tiered_pair(tmp_path, announce=True)
+    try:
+        p = prompt(4, 2)
+        _, _, plan = a.request("r1", p, list(range(0, 2 * BPC + 1)))
+        assert len(_copies(a).copies) == 2  # written down into the shared disk tier
+        keys = [st.key for st in plan.stores]
+        assert wait_for(lambda: all(k in b.planner.foreign for k in keys))
+        b.planner.take_events()
+        hit, failed, plan_b = b.request("r2", p, list(range(10, 10 + 2 * BPC + 1)))
+        assert hit == 2 * T and failed == set() and {(ld.source, ld.tier) for ld in plan_b.loads} == {("a", 1)}
+        up = _copies(b)
+        assert [(c.source, c.src, c.dst) for c in up.copies] == [("a", 1, 0)] * 2
+        assert b.planner.tier_stats.promotions == 2 and all(k in b.planner.index for k in keys)
+        assert {e.key for e in b.worker.store.entries().values()} >= set(keys)  # journaled in b's own RAM tier
+        assert [k for kind, ks in b.planner.take_events() if kind == "stored" for k in ks] == keys
+        assert b.worker.ctx.lower[0][0].entries() == {}  # never written down: a holds it below
+        assert not _copies(b).copies
+        for c in b.caches:
+            c[10:10 + 2 * BPC].zero_()
+        hit, failed, plan_b = b.request("r3", p, list(range(10, 10 + 2 * BPC + 1)))
+        assert hit == 2 * T and failed == set() and {(ld.source, ld.tier) for ld in plan_b.loads} == {(None, 0)}
+        for ca, cb in zip(a.caches, b.caches):
+            assert torch.equal(cb[10:10 + 2 * BPC], ca[0:2 * BPC])  # bit exact, from b's own RAM tier
+    finally:
+        a.close()
+        b.close()
+
+
+def test_with_write_back_a_borrowed_chunk_goes_first_and_is_never_counted_dropped(tmp_path):
+    """write_policy "back": b's own chunks in its RAM tier are dirty (held nowhere below) and a
+    borrowed one is not (its owner holds it below): a full RAM tier gives the borrowed chunks up
+    before b's own, and giving them up drops nothing."""
+    a, b = _tiered_pair(tmp_path, write_policy="back")
+    try:
+        p = prompt(7, 2)
+        _, _, plan = a.request("r1", p, list(range(0, 2 * BPC + 1)))
+        for i in range(2):  # a's RAM tier fills and writes down what it will evict: p reaches the disk
+            a.request(f"fill{i}", prompt(70 + i, 2), list(range(0, 2 * BPC + 1)))
+            _copies(a)
+        keys = [st.key for st in plan.stores]
+        assert wait_for(lambda: all(k in b.planner.foreign for k in keys))
+        b.request("r2", p, list(range(10, 10 + 2 * BPC + 1)))
+        assert b.planner.tier_stats.promotions == 0 and len(_copies(b).copies) == 2
+        assert b.planner.tier_stats.promotions == 2
+        b.request("own", prompt(80, 2), list(range(20, 20 + 2 * BPC + 1)))  # fills b's 4 slots
+        b.request("own2", prompt(81, 2), list(range(20, 20 + 2 * BPC + 1)))  # evicts 2: the borrowed ones
+        assert not any(k in b.planner.index for k in keys)
+        assert b.planner.tier_stats.evictions[0] == 2 and b.planner.tier_stats.dropped == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_shared_hit_its_owner_gave_up_before_the_promotion_is_not_borrowed(tmp_path):
+    """The promotion is planned only while the owner's journal (as b follows it) still holds the
+    chunk in the slot b read, and the copy checks it again after its read: a chunk a gave up
+    meanwhile is not copied into b's RAM tier (counted as a failed copy, never served)."""
+    a, b = _tiered_pair(tmp_path)
+    try:
+        p = prompt(5, 2)
+        _, _, plan = a.request("r1", p, list(range(0, 2 * BPC + 1)))
+        _copies(a)
+        keys = [st.key for st in plan.stores]
+        assert wait_for(lambda: all(k in b.planner.foreign for k in keys))
+        b.request("r2", p, list(range(10, 10 + 2 * BPC + 1)))
+        # a's disk tier gives both chunks up: b's follower no longer finds them where b read them
+        disk = a.worker.ctx.lower[0][0]
+        slots = [slot for slot, e in disk.entries().items() if e.key in keys]
+        assert len(slots) == 2
+        disk.free(slots)
+        assert wait_for(lambda: not any(k in b.planner.foreign for k in keys))
+        assert not _copies(b).copies and b.planner.tier_stats.promotions == 0
+        assert not any(k in b.planner.index for k in keys)
+        # given up after the promotion was planned: the copy finds it gone (its read may already
+        # have taken the owner's bytes) and commits nothing
+        p2 = prompt(6, 2)
+        _, _, plan = a.request("r3", p2, list(range(0, 2 * BPC + 1)))
+        _copies(a)
+        keys = [st.key for st in plan.stores]
+        assert wait_for(lambda: all(k in b.planner.foreign for k in keys))
+        b.request("r4", p2, list(range(10, 10 + 2 * BPC + 1)))
+        up = b.planner.build_step({}, {})
+        assert [(c.source, c.dst) for c in up.copies] == [("a", 0)] * 2
+        disk.free([slot for slot, e in disk.entries().items() if e.key in keys])
+        run_step(b.worker, up)
+        b.worker.flush()
+        b.planner.on_report(b.worker.take_report())
+        assert b.worker.copier.failed == 2 and b.planner.tier_stats.promotions == 0
+        assert not any(k in b.planner.index for k in keys) and b.worker.store.entries() == {}
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_chunk_evicted_by_its_owner_is_recomputed_by_the_reader(tmp_path):
     a, b = Server(tmp_path, "a", 0), Server(tmp_path, "b", 1)
     try:

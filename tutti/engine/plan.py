@@ -48,7 +48,9 @@ class StoreChunk:
 class CopyChunk:
     """Copy chunk `key` from `src_slot` of tier `src` to `dst_slot` of tier `dst` (a write-down
     to a slower tier, or a promotion to a faster one), worker to worker's own stores, off the
-    forward thread; `ticket` names it. Both slots are held by the planner until it is reported."""
+    forward thread; `ticket` names it. Both slots are held by the planner until it is reported.
+    `source`: another writer whose chunk (in its store under tier `src`'s roots, at `src_slot`)
+    is promoted into this writer's tier `dst`; None: this writer's own tier `src`."""
 
     key: bytes
     src: int
@@ -56,6 +58,7 @@ class CopyChunk:
     dst: int
     dst_slot: int
     ticket: int
+    source: str | None = None
 
 
 @dataclass

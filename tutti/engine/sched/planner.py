@@ -57,7 +57,9 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
         self._burst = 0  # the most chunks a recent step stored (decaying): what "back" keeps clean ahead
         self._down_in_flight = [0] * (1 + len(self.lower))  # write-downs planned and not reported, per source tier
         self._down: list[tuple[bytes, int]] = []  # committed in a tier, to be copied to the next one down
-        self._up: list[tuple[bytes, int]] = []  # loaded from a lower tier, to be promoted into tier 0
+        # loaded from a lower tier, to be promoted into tier 0: (key, tier, other writer or None, its slot)
+        self._up: list[tuple[bytes, int, str | None, int]] = []
+        self._borrowed: set[bytes] = set()  # tier 0's chunks promoted from other writers' (held below by them)
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size

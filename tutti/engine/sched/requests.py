@@ -85,3 +85,4 @@ class StoreTicket:
     ok: int = 0  # workers that reported success
     state: bool = False  # a state entry (no vLLM block hashes to announce)
     copy: tuple[int, int] | None = None  # a copy between tiers: (from, to) (tutti.engine.sched.tiers)
+    borrowed: bool = False  # the copy's source is another writer's chunk (a promotion of a shared hit)

@@ -320,7 +320,9 @@ class StepPlanning:
                     if tier and key not in failed:
                         self._queue_up(key, tier)  # a hit from below: brought up into tier 0 (if admitted)
                 for key in self._step_foreign.pop(step, []):
-                    self._foreign_loads.pop(key, None)
+                    where = self._foreign_loads.pop(key, None)
+                    if where is not None and self.foreign_tier and key not in failed:
+                        self._queue_up(key, self.foreign_tier, *where)  # borrowed into tier 0 (if admitted)
             else:
                 self._step_done_count[step] = n
         for key in list(self._bad):  # not trusted in any tier

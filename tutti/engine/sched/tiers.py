@@ -10,7 +10,10 @@ agrees it is worth a drive write: a working set that fits the tier
 never writes the drive. The tier then gives up clean chunks (held below) before dirty ones, and a
 dirty chunk it must give up anyway is counted as dropped. A chunk a hit loaded from a lower
 tier is copied up into tier 0 when tier 0's admission agrees (a promotion), only ever in place of
-a chunk a tier below holds. The source of a copy is pinned until the copy is reported, so a chunk
+a chunk a tier below holds. A hit on another writer's chunk (followed in the last tier's roots:
+replicas with private RAM tiers over one shared drive) is promoted the same way, into this
+writer's tier 0 ("borrowed": its owner holds it below, so it is never written down and never
+counted dropped). The source of a copy is pinned until the copy is reported, so a chunk
 is never evicted while its write-down is in flight; write-downs in flight are bounded
 (DOWN_IN_FLIGHT), so a drive slower than the stores never fills a tier with pins (the rest wait
 their turn, and one given up before it is counted as dropped). A chunk is announced ("stored") when the first tier takes it and withdrawn ("removed")
@@ -100,7 +103,10 @@ class TierPlanning:
         if gone:
             self._events.append(("removed", gone))
             if self.write_policy == "back" and tier < len(self.lower):
-                self.tier_stats.dropped += len(gone)  # dirty: it left the hierarchy unwritten
+                # dirty: it left the hierarchy unwritten (a borrowed chunk's owner holds it below)
+                self.tier_stats.dropped += sum(1 for k in gone if k not in self._borrowed)
+        if tier == 0 and self._borrowed:
+            self._borrowed.difference_update(keys)
 
     # -- pricing a hit across tiers -------------------------------------------------------
     def _tiered_take(self, r, take: int, found: int, prompt: int, max_load: int | None, computed: int,
@@ -140,10 +146,11 @@ class TierPlanning:
         if tier < len(self.lower) and self.write_policy == "through":
             self._down.append((key, tier))
 
-    def _queue_up(self, key: bytes, tier: int) -> None:
-        """A hit loaded `key` from lower tier `tier`: promote it into tier 0 (if admitted)."""
+    def _queue_up(self, key: bytes, tier: int, source: str | None = None, slot: int = -1) -> None:
+        """A hit loaded `key` from lower tier `tier` (another writer's store there, at `slot`, where
+        `source` names that writer): promote it into tier 0 (if admitted)."""
         if tier > 0:
-            self._up.append((key, tier))
+            self._up.append((key, tier, source, slot))
 
     def _plan_copies(self, plan: StepPlan) -> None:
         """The step's write-downs and promotions, planned before its stores evict anything."""
@@ -158,12 +165,15 @@ class TierPlanning:
                 self._down = down[n:]  # their turn comes as copies are reported
                 break
             self._plan_copy(plan, key, src, src + 1)
-        for key, src in dict.fromkeys(up):
+        for key, src, source, slot in dict.fromkeys(up):
             if key in self.index or self.index.is_pending(key):
                 continue
+            held = self.foreign.get(key) if source is not None and self.foreign is not None else None
+            if source is not None and (held is None or tuple(held[:2]) != (source, slot)):
+                continue  # its owner gave it up (or moved it) since the hit: nothing to borrow
             if not isinstance(self.admission, AdmitAll) and not self._promote_admitted(key):
                 continue
-            self._plan_copy(plan, key, src, 0)
+            self._plan_copy(plan, key, src, 0, source=source, src_slot=slot)
 
     def _clean_ahead(self, tier: int) -> None:
         """write_policy "back": once `tier` is nearly full, queue the write-down of the dirty
@@ -180,13 +190,17 @@ class TierPlanning:
             if key not in index or index.is_pinned(key):
                 continue
             seen += 1
-            if self._in_lower(key, below=tier) is None and self._worth_writing(key):
+            if not self._held_below(key, tier) and self._worth_writing(key):
                 self._down.append((key, tier))
 
     def _dirty(self, tier: int):
         """`tier`'s chunks no tier below holds (ChunkIndex.dirty, write_policy "back")."""
-        return lambda key: self._in_lower(key, below=tier) is None and not any(
-            self.tier_index(t).is_pending(key) for t in range(tier + 1, self.num_tiers))
+        return lambda key: self._in_lower(key, below=tier) is None and not (tier == 0 and key in self._borrowed) \
+            and not any(self.tier_index(t).is_pending(key) for t in range(tier + 1, self.num_tiers))
+
+    def _held_below(self, key: bytes, tier: int) -> bool:
+        """A tier below `tier` holds `key`, or (tier 0) its owner does: a promotion may take its place."""
+        return self._in_lower(key, below=tier) is not None or (tier == 0 and key in self._borrowed)
 
     def _worth_writing(self, key: bytes) -> bool:
         return isinstance(self.admission, AdmitAll) or self._promote_admitted(key)
@@ -200,9 +214,11 @@ class TierPlanning:
             log.exception("tutti: store admission %r failed on a promotion; promoting", self.admission)
             return True
 
-    def _plan_copy(self, plan: StepPlan, key: bytes, src: int, dst: int) -> None:
+    def _plan_copy(self, plan: StepPlan, key: bytes, src: int, dst: int, *, source: str | None = None,
+                   src_slot: int | None = None) -> None:
         s_index, d_index = self.tier_index(src), self.tier_index(dst)
-        src_slot = s_index.slot_of(key)
+        if source is None:
+            src_slot = s_index.slot_of(key)
         if key in d_index or d_index.is_pending(key):
             return  # already there
         if src_slot is None:  # given up (evicted before its turn, or dropped as corrupt)
@@ -210,8 +226,7 @@ class TierPlanning:
                 self.tier_stats.dropped += 1
             return
         # a promotion only ever takes the place of a chunk a tier below holds: never the only copy
-        res = d_index.plan_store([key], evictable=(lambda k: self._in_lower(k, below=dst) is not None)
-                                 if dst < src else None)
+        res = d_index.plan_store([key], evictable=(lambda k: self._held_below(k, dst)) if dst < src else None)
         if dst == 0:
             self.stats.evictions += len(res.evicted)
         self._removed(dst, list(res.evicted))
@@ -220,19 +235,21 @@ class TierPlanning:
             if dst > src and self.write_policy == "through":  # ("back": counted if it is evicted unwritten)
                 self.tier_stats.dropped += 1
             return
-        s_index.pin([key])
+        if source is None:  # (another writer's chunk is its owner's: a copy of it checks it is still there)
+            s_index.pin([key])
         if dst > src:
             self._down_in_flight[src] += 1
         ticket = next(self._ticket_ids)
-        self._tickets[ticket] = StoreTicket(key, "", copy=(src, dst))
-        plan.copies.append(CopyChunk(key, src, src_slot, dst, slot, ticket))
+        self._tickets[ticket] = StoreTicket(key, "", copy=(src, dst), borrowed=source is not None)
+        plan.copies.append(CopyChunk(key, src, src_slot, dst, slot, ticket, source=source))
 
     # -- reports --------------------------------------------------------------------------
     def _copy_done(self, tk: StoreTicket, ok: bool) -> None:
         """A copy reported by every writer (ok) or failed by one: commit or abort it below, and
         let its source go."""
         src, dst = tk.copy
-        self.tier_index(src).unpin([tk.key])
+        if not tk.borrowed:
+            self.tier_index(src).unpin([tk.key])
         if dst > src:
             self._down_in_flight[src] -= 1
         d_index = self.tier_index(dst)
@@ -248,3 +265,6 @@ class TierPlanning:
             self._queue_down(tk.key, dst)
         else:
             self.tier_stats.promotions += 1
+            if tk.borrowed and not self.held_anywhere(tk.key, but=0):
+                self._borrowed.add(tk.key)
+                self._events.append(("stored", [tk.key]))  # this writer serves it now too

@@ -7,6 +7,11 @@ pwrite release the GIL, and O_DIRECT slabs take an aligned buffer), then commits
 destination store's one durability order (old contents freed before the write, data synced
 before its journal record). The bytes are not checked on the way: the source's journaled
 checksums (or keyed tags) go with them, and the load that serves the copy verifies them there.
+A promotion of another writer's chunk (`CopyChunk.source`) reads that writer's store opened
+read-only (tutti.engine.sharing.ForeignStores) and takes its checksums from that writer's
+journal, before the read and again after it: a chunk its owner gave up or rewrote meanwhile is
+not copied. Its bytes are as hostile as any other writer's: a copy whose checksums are wrong
+fails its load from tier 0 like any corrupt chunk (recomputed, then dropped), never the step.
 While a hit's reads are in flight on the drive, a copy's writes wait for them (ReadsFirst), a
 slice at a time: a read done sooner saves prefill now, a copy done later only delays a hit.
 """
@@ -35,8 +40,9 @@ class TierCopier:
     tutti.io.queue.ReadsFirst (None: no drive shared with hits)."""
 
     def __init__(self, stores: Sequence, journals: Sequence, counters, *, slot_bytes: int, reads=None,
-                 slice_bytes: int = 4 << 20) -> None:
+                 slice_bytes: int = 4 << 20, foreign=None) -> None:
         self.stores, self.journals, self.counters = list(stores), list(journals), counters
+        self.foreign = foreign  # tutti.engine.sharing.ForeignStores: the other writers, for borrowed promotions
         self.slot_bytes, self.reads = slot_bytes, reads
         self.slice_bytes = max(4096, slice_bytes // 4096 * 4096)
         self._buf = mmap.mmap(-1, max(4096, -(-slot_bytes // 4096) * 4096))  # page-aligned, made once
@@ -73,14 +79,26 @@ class TierCopier:
                                  store_seconds=time.perf_counter() - t0)
 
     def _copy(self, c: CopyChunk) -> None:
-        sums = self.journals[c.src].checksums(c.src_slot, c.key)
+        if c.source is None:
+            src, journal = self.stores[c.src], self.journals[c.src]
+        elif self.foreign is None:
+            raise LookupError(f"writer {c.source!r}: this worker reads no other writers")
+        else:
+            src, journal = self.foreign.get(c.source)
+        sums = journal.checksums(c.src_slot, c.key)
         if sums is None:
             raise LookupError(f"slot {c.src_slot} of tier {c.src} no longer holds it")
-        src, dst = self.stores[c.src], self.stores[c.dst]
+        dst = self.stores[c.dst]
         with src.held(c.src_slot) as (fd, off):
             n = os.preadv(fd, [self._view], off)
         if n != self.slot_bytes:
             raise OSError(f"short read of the source slot: {n} of {self.slot_bytes} bytes")
+        if c.source is not None:
+            bad = self.foreign.new_step({c.source}).get(c.source)  # what its owner journaled during the read
+            if bad is not None:
+                raise bad
+            if journal.checksums(c.src_slot, c.key) != sums:
+                raise LookupError(f"writer {c.source!r} gave slot {c.src_slot} up or rewrote it during the copy")
         dst.free([c.dst_slot])  # durably, before its bytes change
         with dst.held(c.dst_slot) as (fd, off):
             done = 0
