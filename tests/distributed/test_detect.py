@@ -1,6 +1,6 @@
-"""io_backend and mapped_loads "auto" on a network or FUSE file system (resolve.network_roots):
-the rule alone, then a worker built on the GlusterFS mount, which says what it picked and why,
-and moves chunks bit-exact between the two nodes."""
+"""io_backend and mapped_loads "auto" on a network or FUSE file system (resolve.tier_io_backend,
+resolve.network_roots): the rules alone, then a worker built on the GlusterFS mount, which says
+what it picked and why, and moves chunks bit-exact between the two nodes."""
 
 from __future__ import annotations
 
@@ -12,19 +12,24 @@ from tutti.engine.config import resolve
 
 
 def test_the_rule_names_the_network_file_system_and_leaves_the_rest_alone():
-    net = resolve.network_roots("auto", "auto", first_tier=["fuse.glusterfs"])
-    assert net["io_backend"].value == "auto" and "fuse.glusterfs" in net["io_backend"].why
+    backend = resolve.tier_io_backend("auto", fs_types=["fuse.glusterfs"])
+    assert backend.value == "auto" and "fuse.glusterfs" in backend.why
+    net = resolve.network_roots("auto", first_tier=["fuse.glusterfs"])
     assert net["mapped_loads"].value is False and "not coherent" in net["mapped_loads"].why
     for kinds in (["nfs4"], ["lustre"], ["gpfs"], ["ceph"], ["fuse.ceph-fuse"], ["fuse"], ["ext4", "nfs"]):
-        assert resolve.network_roots("auto", "auto", first_tier=kinds)["mapped_loads"].value is False, kinds
-    # a RAM first tier over a network tier: the queue serves both (named), the mapping is the RAM tier's
-    net = resolve.network_roots("auto", "auto", first_tier=["tmpfs"], lower_tiers=["fuse.glusterfs"])
-    assert list(net) == ["io_backend"]
+        assert resolve.network_roots("auto", first_tier=kinds)["mapped_loads"].value is False, kinds
+        assert "network file system" in resolve.tier_io_backend("auto", fs_types=kinds).why, kinds
+    # a RAM first tier over a network tier: each tier's queue its own, the mapping the RAM tier's
+    assert resolve.tier_io_backend("auto", fs_types=["tmpfs"]).value == "threads"
+    assert "fuse.glusterfs" in resolve.tier_io_backend("auto", fs_types=["fuse.glusterfs"]).why
+    assert resolve.network_roots("auto", first_tier=["tmpfs"]) == {}
     # local file systems, and a FUSE driver of a local disk: the other rules decide
     for kinds in (["ext4"], ["xfs", "tmpfs"], ["fuseblk"]):
-        assert resolve.network_roots("auto", "auto", first_tier=kinds) == {}, kinds
+        assert resolve.network_roots("auto", first_tier=kinds) == {}, kinds
+        assert resolve.tier_io_backend("auto", fs_types=kinds).why in ("", "RAM root"), kinds
     # what the configuration names is never overridden
-    assert resolve.network_roots("threads", True, first_tier=["fuse.glusterfs"]) == {}
+    assert resolve.network_roots(True, first_tier=["fuse.glusterfs"]) == {}
+    assert resolve.tier_io_backend("threads", fs_types=["fuse.glusterfs"]).value == "threads"
 
 
 def test_a_worker_on_the_mount_says_what_it_picked_and_moves_chunks_across_nodes(on_volume):

@@ -292,7 +292,6 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
     None: only where the config says true ("auto" is the connector's to resolve, from what vLLM runs).
     `step_tokens`: vLLM's token budget of a step, which "auto" staging is sized for."""
     from tutti.codec import get_codec, is_identity
-    from tutti.io.queue import open_queue
     from tutti.kernels import get_variant, segment_checksum
 
     decided = resolve.Decisions()
@@ -313,20 +312,19 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
     kernel = get_variant(decided.take("kernel_variant", resolve.kernel_variant(cfg.kernel_variant,
                                                                               cuda=caches[0].is_cuda)))
     on_ram = all(fs_type(r) in RAM_FILESYSTEMS for r in cfg.roots)
-    every_ram = on_ram and all(fs_type(r) in RAM_FILESYSTEMS for t in cfg.tiers for r in t.roots)
-    net = resolve.network_roots(cfg.io_backend, cfg.mapped_loads, first_tier=[fs_type(r) for r in cfg.roots],
-                                lower_tiers=[fs_type(r) for t in cfg.tiers for r in t.roots])
-    backend = net.get("io_backend") or resolve.io_backend(cfg.io_backend, on_ram=every_ram)
-    q = open_queue(decided.take("io_backend", backend), **cfg.io_options)
+    net = resolve.network_roots(cfg.mapped_loads, first_tier=[fs_type(r) for r in cfg.roots])
+    q, openers = _open_queues(cfg, decided)
     cfg = dataclasses.replace(cfg, write_window_bytes=decided.take(
         "write_window_bytes", resolve.write_window_bytes(cfg.write_window_bytes, on_ram=on_ram)))
     access = store_access(cfg)
     maps = decided.take("mapped_loads", net.get("mapped_loads") or resolve.mapped_loads(
         cfg.mapped_loads, on_ram=on_ram, shared=access.shared, secret=mac is not None, codec=codec is not None))
-    open_file = lambda name, w, dir_fd: q.open_file(name, write=w, create=w, dir_fd=dir_fd)  # noqa: E731
     from tutti.store.medium import get_medium
 
-    medium = get_medium(cfg.medium, open_file)  # where slab bytes live (tutti.store.medium)
+    # where each tier's slab bytes live (tutti.store.medium), its files opened through its own queue
+    media = [get_medium(cfg.tier(i).medium, lambda name, w, dir_fd, o=o: o(name, write=w, create=w, dir_fd=dir_fd))
+             for i, o in enumerate(openers)]
+    medium = media[0]
     if cfg.writer_id == claims.AUTO and not geom.writes:  # a reader rank: the writer rank's slot ('')
         cfg = dataclasses.replace(cfg, writer_id=decided.take("writer_id", resolve.writer_taken("", writes=False)))
     if geom.writes:
@@ -348,8 +346,7 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
             tcfg = cfg.tier(i)
             try:
                 lower.append(open_store(tcfg, tcfg.roots, geom.fingerprint(), writer_id=cfg.writer_id,
-                                        writer=geom.writes, access=access,
-                                        medium=medium if tcfg.medium == cfg.medium else get_medium(tcfg.medium, open_file)))
+                                        writer=geom.writes, access=access, medium=media[i]))
             except (StoreLockedError, WriterDirectoryTakenError) as exc:
                 raise StoreLockedError(
                     f"tiers[{i}] roots {list(tcfg.roots)}: writer {cfg.writer_id!r} is held there by another server "
@@ -366,7 +363,7 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
     if cfg.tiers:  # other writers are followed in the last tier (see build_planner)
         store_roots = list(cfg.tier(len(cfg.tiers)).roots)
     foreign = ForeignStores(lambda writer: open_store(  # the file path: see ReplicaReader
-        cfg, store_roots, fingerprint, writer_id=writer, foreign=True, medium=medium, access=access))
+        cfg, store_roots, fingerprint, writer_id=writer, foreign=True, medium=media[-1], access=access))
     from tutti.engine.hostcost import shorten_switch_interval
 
     shorten_switch_interval(None if cfg.gil_switch_interval_s == "off" else cfg.gil_switch_interval_s)
@@ -383,6 +380,34 @@ def build_worker(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry,
             st.close()
         q.close()
         raise
+
+
+def _open_queues(cfg: EngineConfig, decided: "resolve.Decisions") -> tuple[Any, list]:
+    """The worker's IO queue and, per tier, the open_file its files go through: one queue per
+    distinct (backend, options) among the tiers (each tier's "auto" decided from its own roots),
+    routed by file where there are several (tutti.io.routed.RoutedQueue)."""
+    from tutti.io.queue import open_queue
+    from tutti.io.routed import RoutedQueue
+
+    wanted: list[tuple[str, dict]] = []
+    for i in range(1 + len(cfg.tiers)):
+        t = cfg.tier(i)
+        choice = resolve.tier_io_backend(t.io_backend, fs_types=[fs_type(r) for r in t.roots])
+        wanted.append((decided.take("io_backend" if i == 0 else f"tiers[{i}].io_backend", choice),
+                       dict(t.io_options)))
+    distinct = [w for n, w in enumerate(wanted) if w not in wanted[:n]]
+    queues = []
+    try:
+        for backend, options in distinct:
+            queues.append(open_queue(backend, **options))
+    except Exception:
+        for q in queues:
+            q.close()
+        raise
+    if len(queues) == 1:
+        return queues[0], [queues[0].open_file] * len(wanted)
+    routed = RoutedQueue(queues)
+    return routed, [routed.opener(distinct.index(w)) for w in wanted]
 
 
 class ReplicaReader:

@@ -1,7 +1,7 @@
 """The worker's tiers (tutti.engine.worker.tiers): a chunk copied from tier 0 to tier 1 off the
 forward thread, its bytes and checksums carried whole; a load served from tier 1 gives the bytes
-stored; a copy whose source is gone fails alone; a lower tier held by another server is refused
-with the fix."""
+stored, through tier 1's own IO queue where its backend differs; a copy whose source is gone
+fails alone; a lower tier held by another server is refused with the fix."""
 
 import pytest
 import torch
@@ -14,11 +14,11 @@ from worker_helpers import block_bytes, config, geometry, make_caches, run_step,
 pytestmark = pytest.mark.usefixtures("device")
 
 
-def tiered(tmp_path, caches, writer_id="", disk=None, **lower):
+def tiered(tmp_path, caches, writer_id="", disk=None, first=None, **lower):
     cfg = config(tmp_path / "ram", writer_id=writer_id)
     cap = cfg.pop("capacity_bytes")
     del cfg["root"]
-    cfg["tiers"] = [{"root": str(tmp_path / "ram"), "capacity_bytes": cap},
+    cfg["tiers"] = [{"root": str(tmp_path / "ram"), "capacity_bytes": cap, **(first or {})},
                     {"root": str(disk or tmp_path / "disk"), "capacity_bytes": 4 * cap, **lower}]
     from tutti.engine.build import build_worker
     from tutti.kernels import PagedLayout
@@ -54,6 +54,41 @@ def test_a_chunk_copied_down_loads_back_from_the_lower_tier_bit_exact(tmp_path, 
     got = block_bytes(caches, [10, 11])
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     w.close()
+
+
+def test_each_tier_reads_and_writes_through_its_own_io_backend(tmp_path):
+    """tiers[0] on io_uring, tiers[1] on the thread pool with its own options: two queues, each
+    slab routed to its tier's (tutti.io.routed); the store goes to tier 0's queue, the load from
+    tier 1 to tier 1's, bit exact, and the start-up decisions name each tier's backend."""
+    from tutti.io.routed import RoutedQueue
+
+    caches = make_caches(5)
+    w = tiered(tmp_path, caches, first={"io_backend": "uring"}, io_backend="threads", io_options={"workers": 2})
+    try:
+        q = w.queue
+        assert isinstance(q, RoutedQueue) and [x.name for x in q.queues] == ["uring", "threads"]
+        assert w.decisions.made["io_backend"].value == "uring"
+        assert w.decisions.made["tiers[1].io_backend"].value == "threads"
+        seen = [[], []]
+        for i, inner in enumerate(q.queues):  # count what each real queue is handed
+            def counted(reqs, inner_submit=inner.submit, i=i):
+                got = inner_submit(reqs)
+                seen[i].extend(r.op for r in reqs[:len(got)])
+                return got
+            inner.submit = counted
+        key = b"m" * 32
+        want = block_bytes(caches, [2, 3])
+        assert step(w, StepPlan(1, stores=[StoreChunk("r", key, 5, (2, 3), ticket=1)])).stored == [1]
+        assert seen[0] and set(seen[0]) == {"write"} and not seen[1]
+        assert step(w, StepPlan(2, copies=[CopyChunk(key, 0, 5, 1, 9, ticket=2)])).stored == [2]
+        for c in caches:
+            c[[10, 11]] = 0
+        n0 = len(seen[0])
+        rep = step(w, StepPlan(3, loads=[LoadChunk("q", key, 9, (10, 11), tier=1)]))
+        assert not rep.load_failed and len(seen[0]) == n0 and set(seen[1]) == {"read"}
+        assert all(torch.equal(a, b) for a, b in zip(block_bytes(caches, [10, 11]), want))
+    finally:
+        w.close()
 
 
 def test_a_copy_whose_source_is_gone_fails_alone(tmp_path):

@@ -237,28 +237,33 @@ def network_filesystem(kinds: "list[str] | tuple[str, ...]") -> str | None:
     return None
 
 
-def network_roots(io_backend: str, mapped_loads: Any, *, first_tier: "list[str] | tuple[str, ...]",
-                  lower_tiers: "list[str] | tuple[str, ...]" = ()) -> dict[str, Choice]:
-    """io_backend and mapped_loads "auto" where roots are on a network or FUSE file system (the
-    file system types of the first tier's roots and of the lower tiers'); {key: Choice} for the
-    keys decided here, {} where no root is on one (the other rules decide).
+def tier_io_backend(value: str, *, fs_types: "list[str] | tuple[str, ...]") -> Choice:
+    """One tier's IO backend, from the file system types of its roots. Each tier has its own
+    queue where the backends (or io_options) differ (tutti.io.routed), so a RAM tier in front of
+    a drive takes the thread pool and the drive io_uring.
 
-    io_backend: the queue's own "auto" (io_uring where the kernel has it, else threads), said so:
-    through GlusterFS's FUSE client io_uring reads and writes as fast as the thread pool (every
-    request is punted to its workers, as a thread would block), fails the same way when the
-    client dies or its link is cut (ENOTCONN), and O_DIRECT is taken where the file system takes
-    it (open_direct opens buffered where it is refused). mapped_loads: false, whatever the store's
-    sharing: a mapping of a file other machines write is not coherent with their writes, and one
-    the owner truncates or a client that vanishes faults (SIGBUS) instead of failing one read."""
+    "auto" on a network or FUSE root: the queue's own "auto" (io_uring where the kernel has it,
+    else threads), said so: through GlusterFS's FUSE client io_uring reads and writes as fast as
+    the thread pool (every request is punted to its workers, as a thread would block), fails the
+    same way when the client dies or its link is cut (ENOTCONN), and O_DIRECT is taken where the
+    file system takes it (open_direct opens buffered where it is refused). On RAM roots and
+    elsewhere: io_backend."""
+    kind = network_filesystem(fs_types)
+    if value == "auto" and kind is not None:
+        return Choice("auto", f"a {kind} root, a network file system: io_uring where the kernel has it, else threads")
+    from tutti.store.rammap import RAM_FILESYSTEMS
+
+    return io_backend(value, on_ram=bool(fs_types) and all(t in RAM_FILESYSTEMS for t in fs_types))
+
+
+def network_roots(mapped_loads: Any, *, first_tier: "list[str] | tuple[str, ...]") -> dict[str, Choice]:
+    """mapped_loads "auto" where the first tier's roots (their file system types) are on a network
+    or FUSE file system: {"mapped_loads": Choice}, or {} (the other rules decide). False, whatever
+    the store's sharing: a mapping of a file other machines write is not coherent with their
+    writes, and one the owner truncates or a client that vanishes faults (SIGBUS) instead of
+    failing one read. (Lower tiers are never mapped; their io_backend: tier_io_backend.)"""
     first = network_filesystem(first_tier)
-    kind = first or network_filesystem(lower_tiers)
-    if kind is None:
-        return {}
-    out: dict[str, Choice] = {}
-    where = f"a {kind} root, a network file system"
-    if io_backend == "auto":
-        out["io_backend"] = Choice("auto", f"{where}: io_uring where the kernel has it, else threads")
     if mapped_loads == "auto" and first is not None:
-        out["mapped_loads"] = Choice(False, f"a {first} root, a network file system: a mapping is not "
-                                            "coherent with other nodes' writes")
-    return out
+        return {"mapped_loads": Choice(False, f"a {first} root, a network file system: a mapping is not "
+                                              "coherent with other nodes' writes")}
+    return {}

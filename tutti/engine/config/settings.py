@@ -96,8 +96,8 @@ class EngineConfig:
                                    for t in self.tiers))
 
     def tier(self, i: int) -> "EngineConfig":
-        """The config of tier `i` (0: this one): its roots, capacity, eviction policy and medium,
-        everything else as this one's."""
+        """The config of tier `i` (0: this one): its roots, capacity, eviction policy, medium, IO
+        backend and options, everything else as this one's."""
         from dataclasses import replace
 
         if i == 0:
@@ -105,7 +105,8 @@ class EngineConfig:
         t = self.tiers[i - 1]
         return replace(self, roots=t.roots, root_templates=t.root_templates, capacity_bytes=t.capacity_bytes,
                        eviction_policy=t.eviction_policy or self.eviction_policy, medium=t.medium or self.medium,
-                       tiers=())
+                       io_backend=t.io_backend or self.io_backend,
+                       io_options=self.io_options if t.io_options is None else t.io_options, tiers=())
 
     @classmethod
     def of(cls, config: "Mapping[str, Any] | EngineConfig", *, rank: int = 0) -> "EngineConfig":

@@ -179,9 +179,10 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("capacity_bytes", "essential", "a size: bytes, or a string such as '64GiB'",
         "The store's size on this root, per rank; the eviction policy keeps it there.", "64GiB", size,
         required=True),
-    Key("tiers", "essential", "a list of {root or roots, capacity_bytes[, eviction_policy, medium]}, fastest "
-        "first", "A hierarchy instead of one root: a chunk lands in the first tier and is served from the fastest "
-        "tier holding it; each tier keeps its own capacity, eviction, journal and checksums.",
+    Key("tiers", "essential", "a list of {root or roots, capacity_bytes[, eviction_policy, medium, io_backend, "
+        "io_options]}, fastest first", "A hierarchy instead of one root: a chunk lands in the first tier and is "
+        "served from the fastest tier holding it; each tier keeps its own capacity, eviction, journal and "
+        "checksums, and its own IO queue where its io_backend (\"auto\": decided per tier) or io_options differ.",
         [{"root": "/dev/shm/tutti", "capacity_bytes": "64GiB"}, {"root": "/mnt/nvme/tutti", "capacity_bytes": "2TiB"}],
         lambda n, v: v),
     Key("write_policy", "essential", "\"through\" or \"back\"",
@@ -320,13 +321,13 @@ def refuse_unknown(raw: Mapping[str, Any]) -> None:
 
 
 #: what one entry of `tiers` takes
-TIER_KEYS = ("root", "roots", "capacity_bytes", "eviction_policy", "medium")
+TIER_KEYS = ("root", "roots", "capacity_bytes", "eviction_policy", "medium", "io_backend", "io_options")
 
 
 def parse_tiers(raw: dict, rank: int) -> tuple:
     """`tiers`, popped from `raw`: its first entry becomes `raw`'s root and capacity (and its
-    eviction_policy and medium, unless given at the top level), the rest the lower tiers
-    (TierConfig each, fastest first). Nothing here when `tiers` is not given."""
+    eviction_policy, medium, io_backend and io_options, unless given at the top level), the rest
+    the lower tiers (TierConfig each, fastest first). Nothing here when `tiers` is not given."""
 
     if "tiers" not in raw:
         return ()
@@ -355,6 +356,7 @@ def parse_tiers(raw: dict, rank: int) -> tuple:
             pol = KEYS["eviction_policy"].parse(f"{where}.eviction_policy", t.pop("eviction_policy")) \
                 if "eviction_policy" in t else None
             med = KEYS["medium"].parse(f"{where}.medium", t.pop("medium")) if "medium" in t else None
+            own = {k: KEYS[k].parse(f"{where}.{k}", t.pop(k)) for k in ("io_backend", "io_options") if k in t}
         except ConfigError as exc:
             msg = str(exc)
             raise ConfigError(msg if msg.startswith(where) else f"{where}.{msg}") from None
@@ -366,8 +368,10 @@ def parse_tiers(raw: dict, rank: int) -> tuple:
                 raw.setdefault("eviction_policy", pol)
             if med is not None:
                 raw.setdefault("medium", med)
+            for k, v in own.items():
+                raw.setdefault(k, v)
             continue
-        out.append(TierConfig(roots, templates, cap, pol, med))
+        out.append(TierConfig(roots, templates, cap, pol, med, **own))
     every = [os.path.realpath(r) for r in raw["roots"]] + [os.path.realpath(r) for t in out for r in t.roots]
     if len(set(every)) != len(every):
         raise ConfigError(f"tiers: a directory serves two tiers ({sorted(r for r in set(every) if every.count(r) > 1)}); "

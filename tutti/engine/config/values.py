@@ -24,14 +24,16 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20
 
 @dataclass(frozen=True)
 class TierConfig:
-    """One tier below the first (the `tiers` key): its roots, capacity, and eviction policy and
-    medium where it has its own (None: the first tier's). The IO backend is the worker's one queue."""
+    """One tier below the first (the `tiers` key): its roots, capacity, and eviction policy,
+    medium, IO backend and IO options where it has its own (None: the first tier's)."""
 
     roots: tuple[str, ...]
     root_templates: tuple[str, ...]
     capacity_bytes: int
     eviction_policy: str | None = None
     medium: str | None = None
+    io_backend: str | None = None
+    io_options: dict | None = None
 
 
 class ConfigError(ValueError):
