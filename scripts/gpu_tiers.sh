@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The tiers comparison (results/tiers.md) on one H200 under vLLM 0.26, in parts that each fit one
+# 10-minute device command: three 70B-class servers at a time (gpu util 0.31 each), 8 GiB of RAM
+# for every case, a 32 GiB disk, 32 prefixes of 8192 tokens (a 20 GiB working set), 4 sends each.
+#   bash scripts/gpu_tiers.sh 1   # none, tier_fs (vLLM CPU + fs), tutti_tiered       prefix repetition
+#   bash scripts/gpu_tiers.sh 2   # offloading (CPU 8 GiB), tier_tutti, tutti_disk    prefix repetition
+#   bash scripts/gpu_tiers.sh 3   # part 1's cases, Zipf popularity
+#   bash scripts/gpu_tiers.sh 4   # part 2's cases, Zipf popularity
+#   bash scripts/gpu_tiers.sh proof   # scripts/gpu_kv_proof.py --cases tiered
+# Results land in $OUT (default /tmp/out): each part's serve_workload JSON and table.
+# (.gpu/setup.sh and .gpu/env.sh, where the checkout has them, set up that environment first.)
+set -u
+if [ -f .gpu/setup.sh ]; then bash .gpu/setup.sh >/dev/null && . .gpu/env.sh || exit 1; fi
+unset TRITON_INTERPRET
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+COMMON="--geometry 70b --capacity 8GiB --disk-capacity 32GiB --kv-cache-bytes 4294967296 --num-prefixes 32
+        --prefix-len 8192 --repeats 4 --gpu-memory-utilization 0.31 --start-timeout 240 --bench-timeout 420"
+case "${1:-}" in
+  1) cases=none,tier_fs,tutti_tiered; workload=prefix_repetition ;;
+  2) cases=offloading,tier_tutti,tutti_disk; workload=prefix_repetition ;;
+  3) cases=none,tier_fs,tutti_tiered; workload=zipf ;;
+  4) cases=offloading,tier_tutti,tutti_disk; workload=zipf ;;
+  proof) exec timeout 560 python3 scripts/gpu_kv_proof.py --cases tiered --out "$OUT/kv_proof_tiered" ;;
+  *) echo "usage: $0 1|2|3|4|proof" >&2; exit 2 ;;
+esac
+# shellcheck disable=SC2086 # COMMON is a list of arguments
+timeout 570 python3 bench/serve_workload.py --out "$OUT/tiers_${1}_${workload}" --cases "$cases" --workload "$workload" $COMMON
+status=$?
+cp "$OUT/tiers_${1}_${workload}"/*.json "$OUT/tiers_${1}_${workload}"/*.md "$OUT"/ 2>/dev/null
+exit $status
