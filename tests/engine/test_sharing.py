@@ -124,7 +124,10 @@ def test_a_replica_promotes_a_shared_disk_tier_hit_into_its_own_ram_tier(tmp_pat
         assert hit == 2 * T and failed == set() and {(ld.source, ld.tier) for ld in plan_b.loads} == {("a", 1)}
         up = _copies(b)
         assert [(c.source, c.src, c.dst) for c in up.copies] == [("a", 1, 0)] * 2
-        assert b.planner.tier_stats.promotions == 2 and all(k in b.planner.index for k in keys)
+        assert b.planner.tier_stats.promotions == b.planner.tier_stats.borrowed == 2
+        assert all(k in b.planner.index for k in keys)
+        assert b.planner.tier_stats.hit_tokens == [0, 2 * T]  # the hit on a's chunks counts in the shared tier
+        assert b.planner.tier_stats.hit_bytes == [0, 2 * geometry().slot_bytes]
         assert {e.key for e in b.worker.store.entries().values()} >= set(keys)  # journaled in b's own RAM tier
         assert [k for kind, ks in b.planner.take_events() if kind == "stored" for k in ks] == keys
         assert b.worker.ctx.lower[0][0].entries() == {}  # never written down: a holds it below

@@ -171,6 +171,7 @@ def test_tier_counters_carry_their_tier_as_a_label():
     t = SchedulerStatsTracker(capacity_bytes=1000)
     t.take(ps, 0, tiers=tiers)
     tiers.hit_tokens[0], tiers.hit_tokens[1], tiers.writedowns[1], tiers.promotions = 512, 256, 3, 2
+    tiers.hit_bytes[1], tiers.borrowed = 4096, 1
     prom.observe(t.take(ps, 0, tiers=tiers).data)
     tiers.hit_tokens[1] += 64
     assert t.take(ps, 0, tiers=tiers).data == {"tier1_hit_tokens": 64}  # deltas
@@ -179,6 +180,8 @@ def test_tier_counters_carry_their_tier_as_a_label():
     assert 'vllm:tutti_tier_hit_tokens_total{engine="0",model_name="m",tier="1"} 256.0' in text
     assert 'vllm:tutti_tier_writedowns_total{engine="0",model_name="m",tier="1"} 3.0' in text
     assert 'vllm:tutti_tier_promotions_total{engine="0",model_name="m"} 2.0' in text
+    assert 'vllm:tutti_tier_hit_bytes_total{engine="0",model_name="m",tier="1"} 4096.0' in text
+    assert 'vllm:tutti_tier_borrowed_total{engine="0",model_name="m"} 1.0' in text
 
 
 # ------------------------------------------------------------------ NVTX

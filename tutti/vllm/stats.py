@@ -83,13 +83,17 @@ METRICS: tuple[MetricDef, ...] = (
               "Chunks evicted from tutti's store to make room for new ones."),
     # per tier (the `tiers` key; tier 0 alone without it): fields tier<i>_<what>
     *(MetricDef(f"tier{i}_{what}", f"vllm:tutti_tier_{what}", COUNTER, doc, tier=str(i))
-      for what, doc in (("hit_tokens", "Hit tokens loaded from each of this server's tiers (0: the first, fastest)."),
+      for what, doc in (("hit_tokens", "Hit tokens loaded from each of this server's tiers (0: the first, fastest; "
+                                       "other servers' chunks count in the tier they are shared in)."),
+                        ("hit_bytes", "Bytes hits loaded from each tier."),
                         ("evictions", "Chunks each tier gave up to make room (still served from a tier below, if "
                                       "one holds it)."),
                         ("writedowns", "Chunks copied into each tier from the one above (write-through)."))
       for i in range(MAX_TIERS)),
     MetricDef("tier_promotions", "vllm:tutti_tier_promotions", COUNTER,
               "Chunks a hit loaded from a lower tier and copied back up into the first."),
+    MetricDef("tier_borrowed", "vllm:tutti_tier_borrowed", COUNTER,
+              "Of the promotions, chunks another server wrote (read from its files in the shared tier)."),
     MetricDef("tier_dropped", "vllm:tutti_tier_dropped", COUNTER,
               "Write-downs that failed or found no room below: the chunk left the tier above unwritten."),
     MetricDef("scheduler_hook_seconds", "vllm:tutti_scheduler_hook_seconds", COUNTER,
@@ -105,7 +109,7 @@ METRICS: tuple[MetricDef, ...] = (
 BY_FIELD: dict[str, MetricDef] = {m.field: m for m in METRICS}
 WORKER_FIELDS = ("bytes_loaded", "load_seconds", "bytes_stored", "store_seconds", "stores_skipped",
                  "worker_hook_seconds", "worker_thread_cpu_seconds", "worker_thread_wait_seconds")
-TIER_LISTS = ("hit_tokens", "evictions", "writedowns")  # TierStats' per-tier lists
+TIER_LISTS = ("hit_tokens", "hit_bytes", "evictions", "writedowns")  # TierStats' per-tier lists
 SCHEDULER_FIELDS = ("queried_tokens", "hit_tokens", "async_hit_tokens", "declined_hit_tokens", "loads_failed",
                     "stores_committed", "evictions",
                     *(m.field for m in METRICS if m.field.startswith("declined_") and m.reason))
@@ -188,11 +192,11 @@ class SchedulerStatsTracker:
         """`tiers`: the planner's TierStats (tutti.engine.sched.tiers)."""
         now = self._read(planner_stats)  # one C call for every field
         if tiers is not None:
-            now = now + tuple(v for what in TIER_LISTS for v in getattr(tiers, what)) + (tiers.promotions,
-                                                                                        tiers.dropped)
+            now = now + tuple(v for what in TIER_LISTS for v in getattr(tiers, what)) + (
+                tiers.promotions, tiers.borrowed, tiers.dropped)
             fields = SCHEDULER_FIELDS + tuple(f"tier{i}_{what}" for what in TIER_LISTS
                                               for i in range(len(getattr(tiers, what)))) + (
-                "tier_promotions", "tier_dropped")
+                "tier_promotions", "tier_borrowed", "tier_dropped")
         else:
             fields = SCHEDULER_FIELDS
         if len(self._last) != len(now):

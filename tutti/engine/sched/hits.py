@@ -288,8 +288,8 @@ class HitPlanning:
             r.loads.append(LoadChunk(req_id, key, slot, self._chunk_blocks(r, c), skip, source, tier=tier))
             self._unsent_load_bytes += self._load_bytes(r.loads[-1])
             self._hold(key, source, slot, tier)
-            if source is None:
-                self.tier_stats.hit_tokens[tier] += self._load_tokens(r.loads[-1])
+            self.tier_stats.hit_tokens[tier] += self._load_tokens(r.loads[-1])
+            self.tier_stats.hit_bytes[tier] += self._load_bytes(r.loads[-1])
         if self.state_groups and last > first:  # the state at the hit's end
             if r.state_source is None:
                 raise RuntimeError(f"request {req_id}: a hit of {last} chunks without the state at its end")

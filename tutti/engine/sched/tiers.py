@@ -23,7 +23,7 @@ when the last tier gives it up.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tutti.engine.plan import CopyChunk, StepPlan
 from tutti.engine.sched.admission import AdmitAll, StoreCandidate
@@ -55,19 +55,21 @@ class LowerTier:
 class TierStats:
     """Counters per tier (index: the tier), kept apart from PlannerStats' totals."""
 
-    hit_tokens: list[int]
+    hit_tokens: list[int]  # tokens hits loaded from this tier (another writer's chunks: from the tier it is followed in)
     evictions: list[int]
     writedowns: list[int]  # copies committed into this tier from the one above
     promotions: int = 0  # copies committed into tier 0 from a lower tier
     dropped: int = 0  # write-downs that found no room below (the chunk left tier 0 unwritten)
+    hit_bytes: list[int] = field(default_factory=list)  # bytes hits loaded from this tier
+    borrowed: int = 0  # of the promotions, other writers' chunks (read from their files in the shared tier)
 
     @classmethod
     def new(cls, n: int) -> "TierStats":
-        return cls([0] * n, [0] * n, [0] * n)
+        return cls([0] * n, [0] * n, [0] * n, hit_bytes=[0] * n)
 
     def copy(self) -> "TierStats":
         return TierStats(list(self.hit_tokens), list(self.evictions), list(self.writedowns), self.promotions,
-                         self.dropped)
+                         self.dropped, list(self.hit_bytes), self.borrowed)
 
 
 class TierPlanning:
@@ -265,6 +267,7 @@ class TierPlanning:
             self._queue_down(tk.key, dst)
         else:
             self.tier_stats.promotions += 1
+            self.tier_stats.borrowed += tk.borrowed
             if tk.borrowed and not self.held_anywhere(tk.key, but=0):
                 self._borrowed.add(tk.key)
                 self._events.append(("stored", [tk.key]))  # this writer serves it now too
