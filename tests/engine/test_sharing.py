@@ -107,6 +107,18 @@ def _copies(s: Server):
     return plan
 
 
+def _shared_hit(a: Server, b: Server, seed: int, n: int):
+    """a stores a 2-chunk prompt and writes it down into the shared disk tier; b, once it follows
+    a's journal there, hits it: (the prompt, its chunk keys, b's plan)."""
+    p = prompt(seed, 2)
+    _, _, plan = a.request(f"a{n}", p, list(range(0, 2 * BPC + 1)))
+    _copies(a)
+    keys = [st.key for st in plan.stores]
+    assert wait_for(lambda: all(k in b.planner.foreign for k in keys))
+    _, _, plan_b = b.request(f"b{n}", p, list(range(10, 10 + 2 * BPC + 1)))
+    return p, keys, plan_b
+
+
 def test_a_replica_promotes_a_shared_disk_tier_hit_into_its_own_ram_tier(tmp_path):
     """Replicas with private RAM tiers over one disk tier: b's hit on a's chunk (read from a's
     disk-tier files) is then copied into b's RAM tier ("borrowed": a keeps it below, so b never
@@ -174,12 +186,7 @@ def test_a_shared_hit_its_owner_gave_up_before_the_promotion_is_not_borrowed(tmp
     meanwhile is not copied into b's RAM tier (counted as a failed copy, never served)."""
     a, b = _tiered_pair(tmp_path)
     try:
-        p = prompt(5, 2)
-        _, _, plan = a.request("r1", p, list(range(0, 2 * BPC + 1)))
-        _copies(a)
-        keys = [st.key for st in plan.stores]
-        assert wait_for(lambda: all(k in b.planner.foreign for k in keys))
-        b.request("r2", p, list(range(10, 10 + 2 * BPC + 1)))
+        _, keys, _ = _shared_hit(a, b, 5, 1)
         # a's disk tier gives both chunks up: b's follower no longer finds them where b read them
         disk = a.worker.ctx.lower[0][0]
         slots = [slot for slot, e in disk.entries().items() if e.key in keys]
@@ -190,12 +197,7 @@ def test_a_shared_hit_its_owner_gave_up_before_the_promotion_is_not_borrowed(tmp
         assert not any(k in b.planner.index for k in keys)
         # given up after the promotion was planned: the copy finds it gone (its read may already
         # have taken the owner's bytes) and commits nothing
-        p2 = prompt(6, 2)
-        _, _, plan = a.request("r3", p2, list(range(0, 2 * BPC + 1)))
-        _copies(a)
-        keys = [st.key for st in plan.stores]
-        assert wait_for(lambda: all(k in b.planner.foreign for k in keys))
-        b.request("r4", p2, list(range(10, 10 + 2 * BPC + 1)))
+        _, keys, _ = _shared_hit(a, b, 6, 2)
         up = b.planner.build_step({}, {})
         assert [(c.source, c.dst) for c in up.copies] == [("a", 0)] * 2
         disk.free([slot for slot, e in disk.entries().items() if e.key in keys])
