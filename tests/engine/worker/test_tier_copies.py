@@ -91,6 +91,45 @@ def test_each_tier_reads_and_writes_through_its_own_io_backend(tmp_path):
         w.close()
 
 
+def test_a_promotion_reads_the_drive_only_after_the_hits_reads_in_flight(tmp_path, monkeypatch):
+    """A promotion's source is on the drive the hits read: while a hit's read is in flight its
+    reads wait (ReadsFirst), and once that read lands the copy goes ahead, bytes and checksums
+    whole. An ordering, not a speed: the wait's cap is raised far past the test's pauses."""
+    import mmap
+    import os
+    import time
+
+    from tutti.engine.worker import tiers as tiers_mod
+    from tutti.io.queue import READ, IOFuture, IORequest
+
+    monkeypatch.setattr(tiers_mod, "MAX_YIELD_S", 30.0)
+    caches = make_caches(6)
+    w = tiered(tmp_path, caches)
+    try:
+        key = b"p" * 32
+        assert step(w, StepPlan(1, stores=[StoreChunk("r", key, 5, (2, 3), ticket=1)])).stored == [1]
+        assert step(w, StepPlan(2, copies=[CopyChunk(key, 0, 5, 1, 9, ticket=2)])).stored == [2]
+        hit_read = IOFuture(IORequest(0, 0, torch.empty(4096, dtype=torch.uint8), 0, 4096, READ))
+        w.copier.reads.track([hit_read])  # a hit's read in flight on the drive
+        w.copier.submit([CopyChunk(key, 1, 9, 0, 7, ticket=3)])  # promote it back into tier 0, slot 7
+        time.sleep(0.3)
+        assert w.copier.copied[0] == 0 and w.copier.pending  # still waiting for the hit's read
+        lower = w.ctx.lower[0][0]
+        marker = bytes(range(256)) * 16
+        page = mmap.mmap(-1, len(marker))  # page-aligned, as the slab files' O_DIRECT takes
+        page[:] = marker
+        with lower.held(9) as (fd, off):  # the source changes now: a copy that read it already has the old bytes
+            os.pwritev(fd, [page], off)
+        hit_read.set_result(4096)
+        assert w.copier.flush(10)
+        assert w.copier.copied[0] == 1 and w.journal.checksums(7, key) == w.ctx.lower[0][1].checksums(9, key)
+        with w.store.held(7) as (fd, off):
+            os.preadv(fd, [page], off)
+        assert page[:] == marker  # read after the hit's read landed, not before
+    finally:
+        w.close()
+
+
 def test_a_copy_whose_source_is_gone_fails_alone(tmp_path):
     caches = make_caches(2)
     w = tiered(tmp_path, caches)

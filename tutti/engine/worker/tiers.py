@@ -12,8 +12,9 @@ read-only (tutti.engine.sharing.ForeignStores) and takes its checksums from that
 journal, before the read and again after it: a chunk its owner gave up or rewrote meanwhile is
 not copied. Its bytes are as hostile as any other writer's: a copy whose checksums are wrong
 fails its load from tier 0 like any corrupt chunk (recomputed, then dropped), never the step.
-While a hit's reads are in flight on the drive, a copy's writes wait for them (ReadsFirst), a
-slice at a time: a read done sooner saves prefill now, a copy done later only delays a hit.
+While a hit's reads are in flight on the drive, a copy's writes, and a promotion's reads of the
+drive, wait for them (ReadsFirst), a slice at a time: a read done sooner saves prefill now, a copy
+done later only delays a hit.
 """
 
 from __future__ import annotations
@@ -90,9 +91,14 @@ class TierCopier:
             raise LookupError(f"slot {c.src_slot} of tier {c.src} no longer holds it")
         dst = self.stores[c.dst]
         with src.held(c.src_slot) as (fd, off):
-            n = os.preadv(fd, [self._view], off)
-        if n != self.slot_bytes:
-            raise OSError(f"short read of the source slot: {n} of {self.slot_bytes} bytes")
+            done = 0
+            while done < self.slot_bytes:
+                if c.src > 0:  # a promotion reads the drive the hits read: after them, a slice at a time
+                    self._yield_to_reads()
+                k = os.preadv(fd, [self._view[done:done + self.slice_bytes]], off + done)
+                if k <= 0:
+                    raise OSError(f"short read of the source slot: {done} of {self.slot_bytes} bytes")
+                done += k
         if c.source is not None:
             bad = self.foreign.new_step({c.source}).get(c.source)  # what its owner journaled during the read
             if bad is not None:
