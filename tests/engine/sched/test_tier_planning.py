@@ -223,6 +223,25 @@ def test_write_downs_in_flight_are_bounded_so_a_slow_drive_never_fills_the_first
     assert p.tier_stats.writedowns[1] == 32
 
 
+def test_write_through_on_a_lagging_drive_gives_up_written_chunks_before_unwritten_ones():
+    """A drive slower than the stores: of a full first tier, the least recently used chunk still
+    waits for its write-down and a newer one is written down already; a new store takes the
+    written one's place, so nothing is dropped (before, LRU order alone gave up the unwritten one,
+    counted dropped)."""
+    p = tiered(ram=2, disk=8)
+    a = prefill(p, "a", list(range(65)), [1, 2, 3])  # one chunk, committed; its write-down fails
+    p.on_report(WorkerReport(stored=[s.ticket for s in a.stores]))
+    down = p.build_step({}, {})
+    assert [c.key for c in down.copies] == [a.stores[0].key]
+    p.on_report(WorkerReport(store_failed=[c.ticket for c in down.copies]))  # a's only copy is in RAM
+    assert p.tier_stats.dropped == 1  # (a failed write-down: counted, the chunk is still held above)
+    b, _ = stored(p, "b", list(range(1000, 1065)), [4, 5, 6])  # written down
+    c = prefill(p, "c", list(range(2000, 2065)), [7, 8, 9])  # the tier is full: one chunk goes
+    assert len(c.stores) == 1 and p.tier_stats.evictions[0] == 1
+    assert a.stores[0].key in p.index and b.stores[0].key not in p.index  # the written one went
+    assert b.stores[0].key in p.lower[0].index and p.tier_stats.dropped == 1  # nothing more lost
+
+
 def test_a_promotion_never_evicts_a_chunk_no_tier_below_holds():
     """Promoting is optional (the chunk is below already): it takes the place of a clean chunk or
     none, never of one whose write-down has not come (its only copy)."""

@@ -51,9 +51,11 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
         self.lower: list[LowerTier] = list(lower)
         self.write_policy = write_policy
         self.tier_stats = TierStats.new(1 + len(self.lower))
-        if write_policy == "back":  # a full tier gives up chunks held below first
-            for t in range(len(self.lower)):
-                self.tier_index(t).dirty = self._dirty(t)
+        # a full tier gives up chunks held below first: under "back" its dirty ones wait for
+        # admission's verdict, under "through" for their write-down's turn (a drive slower than
+        # the stores), so a chunk is lost only when no clean one is near the evicting end
+        for t in range(len(self.lower)):
+            self.tier_index(t).dirty = self._dirty(t)
         self._burst = 0  # the most chunks a recent step stored (decaying): what "back" keeps clean ahead
         self._down_in_flight = [0] * (1 + len(self.lower))  # write-downs planned and not reported, per source tier
         self._down: list[tuple[bytes, int]] = []  # committed in a tier, to be copied to the next one down

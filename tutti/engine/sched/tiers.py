@@ -6,18 +6,21 @@ write_policy "through", a chunk committed in tier t is copied down to tier t + 1
 copier, off the forward thread (tutti.engine.worker.tiers). With "back", a chunk is copied down
 only when it nears the evicting end of its full tier (the next BACK_AHEAD share of its slots in
 eviction order, or twice the most chunks a recent step stored, whichever is more) and admission
-agrees it is worth a drive write: a working set that fits the tier
-never writes the drive. The tier then gives up clean chunks (held below) before dirty ones, and a
-dirty chunk it must give up anyway is counted as dropped. A chunk a hit loaded from a lower
-tier is copied up into tier 0 when tier 0's admission agrees (a promotion), only ever in place of
-a chunk a tier below holds. A hit on another writer's chunk (followed in the last tier's roots:
-replicas with private RAM tiers over one shared drive) is promoted the same way, into this
-writer's tier 0 ("borrowed": its owner holds it below, so it is never written down and never
-counted dropped). The source of a copy is pinned until the copy is reported, so a chunk
-is never evicted while its write-down is in flight; write-downs in flight are bounded
-(DOWN_IN_FLIGHT), so a drive slower than the stores never fills a tier with pins (the rest wait
-their turn, and one given up before it is counted as dropped). A chunk is announced ("stored") when the first tier takes it and withdrawn ("removed")
-when the last tier gives it up.
+agrees it is worth a drive write: a working set that fits the tier never writes the drive.
+
+Either way a full tier gives up clean chunks (held below) before dirty ones (under "through",
+those whose write-down has not come: a drive slower than the stores), and a dirty chunk it must
+give up anyway is counted as dropped. A chunk a hit loaded from a lower tier is copied up into
+tier 0 when tier 0's admission agrees (a promotion), only ever in place of a chunk a tier below
+holds. A hit on another writer's chunk (followed in the last tier's roots: replicas with private
+RAM tiers over one shared drive) is promoted the same way, into this writer's tier 0
+("borrowed": its owner holds it below, so it is never written down and never counted dropped).
+
+The source of a copy is pinned until the copy is reported, so a chunk is never evicted while its
+write-down is in flight; write-downs in flight are bounded (DOWN_IN_FLIGHT), so a drive slower
+than the stores never fills a tier with pins (the rest wait their turn, and one given up before
+it is counted as dropped). A chunk is announced ("stored") when the first tier takes it and
+withdrawn ("removed") when the last tier gives it up.
 """
 
 from __future__ import annotations
