@@ -199,9 +199,10 @@ class TierPlanning:
                 self._down.append((key, tier))
 
     def _dirty(self, tier: int):
-        """`tier`'s chunks no tier below holds (ChunkIndex.dirty, write_policy "back")."""
-        return lambda key: self._in_lower(key, below=tier) is None and not (tier == 0 and key in self._borrowed) \
-            and not any(self.tier_index(t).is_pending(key) for t in range(tier + 1, self.num_tiers))
+        """`tier`'s chunks held nowhere below, nor being written there (ChunkIndex.dirty): a full
+        tier gives them up last."""
+        return lambda key: not self._held_below(key, tier) and not any(
+            self.tier_index(t).is_pending(key) for t in range(tier + 1, self.num_tiers))
 
     def _held_below(self, key: bytes, tier: int) -> bool:
         """A tier below `tier` holds `key`, or (tier 0) its owner does: a promotion may take its place."""
