@@ -12,6 +12,16 @@ RateMeter reads the model's clock), so a run takes seconds on any machine and gi
 figures everywhere. It is a model: it says which policy to measure on a GPU, not what a GPU does.
 
     python3 bench/drive_sim.py [--drive-gbps 1.6] [--admissions all,drive_share,seen_twice,share:0.5] [--out F]
+
+`--stores` compares where chunks live: "disk" (one root on the drive, the default), "ram" (one
+RAM root of `--ram-chunks`, read and written at `--ram-gbps`), "tiered", "tiered_back" and
+"tiered_nopromo" (that RAM in front of the drive, `tiers` with write_policy "through", "back", or
+"through" with `promote: off`: the real planner's copies
+down and promotions up, which take drive time behind the hits' reads as the worker's copier
+does; steps that read the drive report their rate apart, as the worker does):
+
+    python3 bench/drive_sim.py --stores disk,ram,tiered --ram-chunks 409 --capacity-chunks 1638 \
+        --bytes-per-token 81920 --prefill-tps 12000 --num-prefixes 32 --prefix-len 8192 --gpu-cache-chunks 204
 """
 
 from __future__ import annotations
@@ -31,7 +41,9 @@ from tutti.engine.sched.admission import DriveShare, get_admission  # noqa: E402
 from tutti.engine.sched.hit_policy import get_policy  # noqa: E402
 from tutti.engine.keys import namespace_seed  # noqa: E402
 from tutti.engine.plan import WorkerReport  # noqa: E402
+from tutti.engine.sched.index import ChunkIndex  # noqa: E402
 from tutti.engine.sched.planner import Planner  # noqa: E402
+from tutti.engine.sched.tiers import LowerTier  # noqa: E402
 
 
 class Clock:
@@ -48,12 +60,14 @@ class Clock:
 
 
 class Drive:
-    """One device: `rate` bytes a second, shared; queued reads go before queued writes."""
+    """One device: `rate` bytes a second, shared; queued reads go before queued writes (and before
+    `background` work: copies between tiers, which yield to the hits' reads as the copier does)."""
 
     def __init__(self, rate: float) -> None:
         self.rate = rate
         self.reads: deque = deque()  # [item, bytes left]
         self.writes: deque = deque()
+        self.background: deque = deque()  # [item, bytes left, "r" or "w"]
         self.read_bytes = self.write_bytes = 0
 
     def advance(self, dt: float) -> tuple[list, list]:
@@ -70,6 +84,17 @@ class Drive:
                     self.write_bytes += take
                 if q[0][1] <= 1e-6:
                     done.append(q.popleft()[0])
+        while self.background and budget > 0:  # copies: behind reads and stores
+            item = self.background[0]
+            take = min(budget, item[1])
+            item[1] -= take
+            budget -= take
+            if item[2] == "r":
+                self.read_bytes += take
+            else:
+                self.write_bytes += take
+            if item[1] <= 1e-6:
+                done_w.append(self.background.popleft()[0])
         return done_r, done_w
 
 
@@ -102,13 +127,24 @@ class Result:
     read_gb: float = 0.0
     written_gb: float = 0.0
     share: float | None = None
+    stores: str = "disk"
+    tier_hit_tokens: list | None = None  # with tiers: hit tokens from the RAM tier and from the drive
+    writedowns: int = 0
+    promotions: int = 0
+    dropped: int = 0
 
 
 def workload(a, seed: int) -> list[list[int]]:
+    """serve_workload.py's prefix_repetition: each prefix `repeats` times in a shuffled order, or
+    (`--popularity zipf`) as many requests drawn with prefix k's weight 1/k^s."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(10, 30000) for _ in range(a.prefix_len)] for _ in range(a.num_prefixes)]
-    order = [i for i in range(a.num_prefixes) for _ in range(a.repeats)]
-    rng.shuffle(order)
+    if getattr(a, "popularity", "uniform") == "zipf":
+        order = rng.choices(range(a.num_prefixes), weights=[1.0 / (k + 1) ** a.zipf_s for k in range(a.num_prefixes)],
+                            k=a.num_prefixes * a.repeats)
+    else:
+        order = [i for i in range(a.num_prefixes) for _ in range(a.repeats)]
+        rng.shuffle(order)
     return [prefixes[i] + [rng.randrange(10, 30000) for _ in range(a.suffix_len)] for i in order]
 
 
@@ -139,7 +175,8 @@ class FrontShare:
         return c.state or c.chunk < max(1, round(self.share * c.prompt_chunks))
 
 
-def run(a, admission: str, seed: int) -> Result:
+def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
+    """One run; `stores`: where the store lives ("disk", "ram", "tiered", "tiered_back")."""
     clock = Clock()
     hit_policy_mod.time = clock  # the RateMeter's clock: the model's
     requests = workload(a, seed)
@@ -155,12 +192,23 @@ def run(a, admission: str, seed: int) -> Result:
             policy = FrontShare(float(admission[len("front:"):]))
         else:
             policy = get_admission(admission)
-        planner = Planner(num_slots=int(a.capacity_chunks), chunk_tokens=a.chunk_tokens, block_size=16,
+        tiered = stores.startswith("tiered")
+        first = int(a.ram_chunks) if stores != "disk" else int(a.capacity_chunks)
+        lower = [LowerTier(ChunkIndex(int(a.capacity_chunks)), "disk")] if tiered else []
+        planner = Planner(num_slots=first, chunk_tokens=a.chunk_tokens, block_size=16,
                           seed=namespace_seed("drive-sim"), slot_bytes=chunk_bytes, hit_policy=get_policy(a.hit_policy),
-                          step_tokens=a.step_tokens, asynchronous=True, admission=policy)
-        # the start-up read probe: the drive's own rate, as WorkerPipeline.probe_read_rate reports it
-        planner.on_report(WorkerReport(probe_bytes=64 << 20, probe_seconds=(64 << 20) / a.drive_rate))
+                          step_tokens=a.step_tokens, asynchronous=True, admission=policy, lower=lower,
+                          write_policy="back" if stores == "tiered_back" else "through",
+                          promote=stores != "tiered_nopromo")
+        # the start-up read probes: each tier's own rate, as WorkerPipeline.probe_read_rate reports them
+        rate0 = a.drive_rate if stores == "disk" else a.ram_rate
+        planner.on_report(WorkerReport(probe_bytes=64 << 20, probe_seconds=(64 << 20) / rate0,
+                                       lower_rate_bytes=(64 << 20) if tiered else 0,
+                                       lower_rate_seconds=(64 << 20) / a.drive_rate if tiered else 0.0))
     drive = Drive(a.drive_rate)
+    devices = [drive if stores == "disk" else Drive(a.ram_rate), drive]  # where tier 0 and tier 1 live
+    copies: set[int] = set()  # tickets of copies between tiers in flight
+    reads_lower: set[int] = set()  # async steps that read the drive tier
     gpu: OrderedDict = OrderedDict()  # vLLM's prefix cache: chunk prefix hashes, least recent first
     pending = deque(enumerate(requests))
     active: dict[str, Req] = {}
@@ -169,7 +217,7 @@ def run(a, admission: str, seed: int) -> Result:
     waiting_on: dict[int, list[str]] = {}  # async step -> requests it loads for
     inflight_stores = 0
     holed: set[str] = set()
-    res = Result(admission, seed)
+    res = Result(admission, seed, stores=stores if admission != "none" else "none")
     ttfts = []
 
     def chunk_hashes(tokens: list[int]) -> list[int]:
@@ -220,7 +268,9 @@ def run(a, admission: str, seed: int) -> Result:
                 load_meta[plan.async_step] = (clock.t, nbytes)
                 waiting_on[plan.async_step] = sorted({ld.req_id for ld in plan.async_loads})
                 for ld in plan.async_loads:
-                    drive.reads.append([plan.async_step, chunk_bytes])
+                    devices[ld.tier].reads.append([plan.async_step, chunk_bytes])
+                    if ld.tier:
+                        reads_lower.add(plan.async_step)
             for st in plan.stores:
                 if st.req_id in holed or inflight_stores >= a.staging_chunks:
                     holed.add(st.req_id)
@@ -228,12 +278,18 @@ def run(a, admission: str, seed: int) -> Result:
                     report.stores_skipped += 1
                 else:
                     inflight_stores += 1
-                    drive.writes.append([st.ticket, chunk_bytes])
+                    devices[0].writes.append([st.ticket, chunk_bytes])
+            for c in plan.copies:  # down: the drive writes it; up (a promotion): the drive reads it
+                copies.add(c.ticket)
+                drive.background.append([c.ticket, chunk_bytes, "w" if c.dst > c.src else "r"])
             step = plan.step
         busy = bool(scheduled)
         dt = a.step_overhead_s + prefill_tokens / a.prefill_tps if busy else a.idle_tick_s
         clock.t += dt
         done_r, done_w = drive.advance(dt)
+        if devices[0] is not drive:
+            more_r, more_w = devices[0].advance(dt)
+            done_r, done_w = done_r + more_r, done_w + more_w
         # the step's tokens
         for rid, n in scheduled.items():
             r = active[rid]
@@ -257,16 +313,23 @@ def run(a, admission: str, seed: int) -> Result:
                     t0, nbytes = load_meta.pop(s)
                     report.steps_done.append(s)
                     report.bytes_loaded += nbytes
-                    report.rate_bytes += nbytes
-                    report.rate_seconds += clock.t - t0
+                    if s in reads_lower:  # the drive tier set its pace: its own sample
+                        reads_lower.discard(s)
+                        report.lower_rate_bytes += nbytes
+                        report.lower_rate_seconds += clock.t - t0
+                    else:
+                        report.rate_bytes += nbytes
+                        report.rate_seconds += clock.t - t0
                     for rid in waiting_on.pop(s):
                         r = active.get(rid)
                         if r is not None and r.state == "wait_load":
                             r.state = "prefill"
                             r.computed = r.gpu_hit + r.loaded
             report.stored.extend(done_w)
-            inflight_stores -= len(done_w)
-            report.bytes_stored += len(done_w) * chunk_bytes
+            n_copies = sum(1 for t in done_w if t in copies)
+            copies.difference_update(done_w)
+            inflight_stores -= len(done_w) - n_copies
+            report.bytes_stored += (len(done_w) - n_copies) * chunk_bytes
             planner.on_report(report)
         for rid in [rid for rid, r in active.items() if r.state == "decode" and r.decoded >= a.output_len]:
             r = active.pop(rid)
@@ -284,6 +347,10 @@ def run(a, admission: str, seed: int) -> Result:
         res.stores_declined, res.stores_skipped, res.stores_committed = s.stores_declined, s.stores_skipped, s.stores_committed
     if isinstance(policy, DriveShare):
         res.share = round(policy.share, 3)
+    if planner is not None and planner.lower:
+        ts = planner.tier_stats
+        res.tier_hit_tokens, res.writedowns = list(ts.hit_tokens), ts.writedowns[1]
+        res.promotions, res.dropped = ts.promotions, ts.dropped
     return res
 
 
@@ -301,6 +368,9 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=4096)
     ap.add_argument("--suffix-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--popularity", default="uniform", choices=["uniform", "zipf"],
+                    help="uniform: each prefix --repeats times; zipf: prefix k drawn with weight 1/k^s")
+    ap.add_argument("--zipf-s", type=float, default=1.0)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--bytes-per-token", type=int, default=131072, help="8B Llama KV: 32 layers x 8 heads x 128 x 2 x bf16")
@@ -309,25 +379,34 @@ def main() -> None:
     ap.add_argument("--capacity-chunks", type=int, default=1024, help="the store (32 GiB of 32 MiB chunks)")
     ap.add_argument("--staging-chunks", type=int, default=64, help="stores in flight (auto staging: two steps' worth)")
     ap.add_argument("--hit-policy", default="auto", help="tutti's hit_policy (auto, always, a name or module:attr)")
+    ap.add_argument("--stores", default="disk",
+                    help="where the store lives: disk, ram, tiered, tiered_back, tiered_nopromo (a list)")
+    ap.add_argument("--ram-chunks", type=int, default=256, help="the RAM root's or RAM tier's capacity, in chunks")
+    ap.add_argument("--ram-gbps", type=float, default=25.0, help="the RAM tier's rate into the GPU (GB/s)")
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    a.ram_rate = a.ram_gbps * 1e9
     rows = []
     for gbps in a.drive_gbps.split(","):
         a.drive_rate = float(gbps) * 1e9
         for seed in (int(s) for s in a.seeds.split(",")):
             base = run(a, "none", seed)
-            for adm in a.admissions.split(","):
-                r = run(a, adm, seed)
-                row = {"drive_gbps": float(gbps), **vars(r), "x_none": round(base.makespan_s / r.makespan_s, 3),
-                       "none_makespan_s": round(base.makespan_s, 2), "none_gpu_cache_tokens": base.gpu_cache_tokens}
-                rows.append(row)
-                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-    means: dict[tuple[float, str], list[float]] = {}
+            for where in a.stores.split(","):
+                if where not in ("disk", "ram", "tiered", "tiered_back", "tiered_nopromo"):
+                    ap.error(f"--stores {where!r}: expected disk, ram, tiered, tiered_back or tiered_nopromo")
+                for adm in a.admissions.split(","):
+                    r = run(a, adm, seed, where)
+                    row = {"drive_gbps": float(gbps), **vars(r), "x_none": round(base.makespan_s / r.makespan_s, 3),
+                           "none_makespan_s": round(base.makespan_s, 2), "none_gpu_cache_tokens": base.gpu_cache_tokens}
+                    rows.append(row)
+                    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
+                          flush=True)
+    means: dict[tuple[float, str, str], list[float]] = {}
     for row in rows:
-        means.setdefault((row["drive_gbps"], row["admission"]), []).append(row["x_none"])
-    summary = [{"drive_gbps": g, "admission": adm, "x_none_mean": round(sum(v) / len(v), 3), "x_none": v}
-               for (g, adm), v in means.items()]
+        means.setdefault((row["drive_gbps"], row["stores"], row["admission"]), []).append(row["x_none"])
+    summary = [{"drive_gbps": g, "stores": where, "admission": adm, "x_none_mean": round(sum(v) / len(v), 3),
+                "x_none": v} for (g, where, adm), v in means.items()]
     for row in summary:
         print("MEAN " + json.dumps(row), flush=True)
     if a.out:

@@ -183,6 +183,8 @@ VARIANTS: dict[str, dict] = {
     "tutti_disk_layer": {"whole_loads": "layer"},
     # the tiers, writing a chunk down only when it nears eviction from the full RAM tier
     "tutti_tiered_back": {"write_policy": "back"},
+    # the tiers, never copying a hit from the disk tier back up (`promote: off`)
+    "tutti_tiered_nopromo": {"promote": "off"},
 }
 
 
@@ -547,7 +549,7 @@ def check_host_memory(cases: list[str], a) -> None:
     """Servers that start together each hold --capacity of host memory (the OffloadingConnector
     pins it, a /dev/shm root maps it): refuse before starting any when it is not there, instead of
     engine cores killed mid-start (what leftover /dev/shm roots of another command did once)."""
-    held = [c for c in cases if c in ("offloading", "tutti_tiered") + TIERED or c.startswith("tutti_shm")]
+    held = [c for c in cases if c in ("offloading",) + TIERED or c.startswith(("tutti_shm", "tutti_tiered"))]
     need = a.capacity_bytes * (1 if a.sequential else len(held))
     have = host_memory_available()
     if held and have is not None and need > have:

@@ -74,6 +74,27 @@ def test_a_chunk_tier_0_evicted_is_served_from_tier_1_then_promoted():
     assert [ld.tier for ld in p.build_step({"d": 1}, {"d": 128}).loads] == [0, 0]
 
 
+def test_with_promote_off_a_hit_from_below_stays_below():
+    """`promote: off`: the first tier is left to new chunks; a hit from tier 1 is loaded from there
+    again (the control is the test above: the same hit, promoted)."""
+    p = tiered(ram=2)
+    p.promote = False
+    a = list(range(129))
+    first, _ = stored(p, "a", a, [1, 2, 3, 4, 5])
+    stored(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])  # evicts a's chunks from tier 0
+    for req in ("c", "d"):
+        n = p.match(req, a, 0)
+        p.on_alloc(req, [11, 12, 13, 14, 15], n)
+        plan = p.build_step({req: 1}, {req: 128})
+        assert [ld.tier for ld in plan.loads] == [1, 1]
+        p.on_report(WorkerReport(steps_done=[plan.step]))
+        assert p.build_step({}, {}).copies == [] and p.tier_stats.promotions == 0
+        p.finished(req)
+    from tutti.engine.config.settings import EngineConfig
+
+    assert EngineConfig.from_dict({"root": "/tmp/x", "capacity_bytes": "1GiB", "promote": "off"}).promote == "off"
+
+
 def test_a_failed_load_from_below_is_not_promoted_and_is_dropped_from_every_tier():
     p = tiered(ram=2)
     a = list(range(129))

@@ -153,8 +153,8 @@ class TierPlanning:
 
     def _queue_up(self, key: bytes, tier: int, source: str | None = None, slot: int = -1) -> None:
         """A hit loaded `key` from lower tier `tier` (another writer's store there, at `slot`, where
-        `source` names that writer): promote it into tier 0 (if admitted)."""
-        if tier > 0:
+        `source` names that writer): promote it into tier 0 (if admitted; never with promote off)."""
+        if tier > 0 and self.promote:
             self._up.append((key, tier, source, slot))
 
     def _plan_copies(self, plan: StepPlan) -> None:
