@@ -58,3 +58,22 @@ def test_a_front_share_writes_only_the_front_of_every_prompt(tmp_path):
     # half of every prompt's chunks written; its hits reach no further than that half
     assert 0 < rows["front:0.5"]["written_gb"] <= 0.55 * rows["all"]["written_gb"]
     assert 0 < rows["front:0.5"]["hit_tokens"] < rows["all"]["hit_tokens"]
+
+
+def test_the_tiers_in_the_model_serve_from_both_tiers_and_promote_only_when_asked(tmp_path):
+    """--stores: a RAM tier in front of the drive (the real planner's copies between them), a RAM
+    root alone, and the tiers with promotions off; the RAM alone holds a fifth of the working set."""
+    out = tmp_path / "tiers.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "drive_sim.py"), "--drive-gbps", "1.6", "--seeds", "1",
+                    "--num-prefixes", "12", "--repeats", "3", "--admissions", "all", "--gpu-cache-chunks", "40",
+                    "--stores", "disk,ram,tiered,tiered_nopromo", "--ram-chunks", "40", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    rows = {r["stores"]: r for r in json.load(open(out))["rows"]}
+    assert rows["disk"]["tier_hit_tokens"] is None and rows["ram"]["read_gb"] == 0  # the RAM root never reads the drive
+    ram_hits, disk_hits = rows["tiered"]["tier_hit_tokens"]
+    assert ram_hits > 0 and disk_hits > 0 and rows["tiered"]["writedowns"] > 0
+    assert rows["tiered"]["promotions"] > 0 and rows["tiered_nopromo"]["promotions"] == 0
+    assert rows["tiered"]["hit_tokens"] > rows["ram"]["hit_tokens"]  # the drive behind keeps what RAM gave up
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "drive_sim.py"), "--stores", "nvme"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "expected disk, ram, tiered" in bad.stderr
