@@ -244,23 +244,46 @@ def test_write_downs_in_flight_are_bounded_so_a_slow_drive_never_fills_the_first
     assert p.tier_stats.writedowns[1] == 32
 
 
-def test_write_through_on_a_lagging_drive_gives_up_written_chunks_before_unwritten_ones():
-    """A drive slower than the stores: of a full first tier, the least recently used chunk still
-    waits for its write-down and a newer one is written down already; a new store takes the
-    written one's place, so nothing is dropped (before, LRU order alone gave up the unwritten one,
-    counted dropped)."""
+def test_write_through_keeps_chunks_waiting_for_their_write_down_and_declines_the_new_store(monkeypatch):
+    """A drive so slow that no write-down is in flight yet: the first tier holds chunks whose only
+    copy it is, and a new store finds nothing clean to evict. It is declined (counted), and the
+    stored chunks stay until their write-downs come; a store then evicts the written one."""
+    from tutti.engine.sched import tiers as tiers_mod
+
+    monkeypatch.setattr(tiers_mod, "DOWN_IN_FLIGHT_MIN", 0)  # an eighth of 2 slots: none in flight
     p = tiered(ram=2, disk=8)
-    a = prefill(p, "a", list(range(65)), [1, 2, 3])  # one chunk, committed; its write-down fails
+    keys = []
+    for i, req in enumerate("ab"):
+        plan = prefill(p, req, list(range(1000 * i, 1000 * i + 65)), [1 + 3 * i, 2 + 3 * i, 3 + 3 * i])
+        p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+        assert plan.copies == []
+        keys.append(plan.stores[0].key)
+    c = prefill(p, "c", list(range(5000, 5065)), [7, 8, 9])
+    assert c.stores == [] and p.stats.stores_declined == 1  # the new chunk, not a stored one
+    assert all(k in p.index for k in keys) and p.tier_stats.evictions[0] == 0 and p.tier_stats.dropped == 0
+    monkeypatch.setattr(tiers_mod, "DOWN_IN_FLIGHT_MIN", 16)  # the drive catches up
+    down = p.build_step({}, {})
+    assert [cp.key for cp in down.copies] == keys
+    p.on_report(WorkerReport(stored=[cp.ticket for cp in down.copies]))
+    d = prefill(p, "d", list(range(6000, 6065)), [10, 11, 12])
+    assert len(d.stores) == 1 and p.tier_stats.evictions[0] == 1 and keys[0] not in p.index  # written: it may go
+    assert keys[0] in p.lower[0].index and p.tier_stats.dropped == 0
+
+
+def test_write_through_lets_a_chunk_whose_write_down_failed_go():
+    """A failed write-down is not retried: the chunk no longer waits for one and may be evicted
+    (its drop was counted when the write-down failed), so a failing drive never blocks the tier."""
+    p = tiered(ram=2, disk=8)
+    a = prefill(p, "a", list(range(65)), [1, 2, 3])
     p.on_report(WorkerReport(stored=[s.ticket for s in a.stores]))
     down = p.build_step({}, {})
-    assert [c.key for c in down.copies] == [a.stores[0].key]
-    p.on_report(WorkerReport(store_failed=[c.ticket for c in down.copies]))  # a's only copy is in RAM
-    assert p.tier_stats.dropped == 1  # (a failed write-down: counted, the chunk is still held above)
-    b, _ = stored(p, "b", list(range(1000, 1065)), [4, 5, 6])  # written down
-    c = prefill(p, "c", list(range(2000, 2065)), [7, 8, 9])  # the tier is full: one chunk goes
-    assert len(c.stores) == 1 and p.tier_stats.evictions[0] == 1
-    assert a.stores[0].key in p.index and b.stores[0].key not in p.index  # the written one went
-    assert b.stores[0].key in p.lower[0].index and p.tier_stats.dropped == 1  # nothing more lost
+    p.on_report(WorkerReport(store_failed=[c.ticket for c in down.copies]))
+    assert p.tier_stats.dropped == 1
+    b = prefill(p, "b", list(range(1000, 1065)), [4, 5, 6])
+    p.on_report(WorkerReport(stored=[s.ticket for s in b.stores]))
+    c = prefill(p, "c", list(range(2000, 2065)), [7, 8, 9])  # b waits for its write-down (planned now): a goes
+    assert len(c.stores) == 1 and a.stores[0].key not in p.index and b.stores[0].key in p.index
+    assert p.stats.stores_declined == 0
 
 
 def test_a_promotion_never_evicts_a_chunk_no_tier_below_holds():

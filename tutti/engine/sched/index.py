@@ -46,6 +46,9 @@ class ChunkIndex:
         # Chunks no tier below holds yet (tutti.engine.sched.tiers, write_policy "back"): a full
         # store gives up a clean chunk before a dirty one (None: every chunk is clean)
         self.dirty: Callable[[bytes], bool] | None = None
+        # never a dirty one: a store that finds only dirty chunks near the evicting end is declined
+        # (write-through keeps what waits for its write-down rather than lose it to a new chunk)
+        self.keep_dirty = False
 
     # -- queries -------------------------------------------------------------------------
     def __contains__(self, key: bytes) -> bool:
@@ -138,7 +141,8 @@ class ChunkIndex:
 
     def _victim(self, evictable: Callable[[bytes], bool] | None = None) -> bytes | None:
         """The first unpinned resident chunk in eviction order; with `dirty`, the first clean one
-        among the next DIRTY_SCAN, else the first dirty one (its eviction loses it). `evictable`:
+        among the next DIRTY_SCAN, else the first dirty one (its eviction loses it; None with
+        `keep_dirty`). `evictable`:
         only chunks it accepts, among the next DIRTY_SCAN (None: none found)."""
         fallback = None
         scanned = 0
@@ -159,7 +163,7 @@ class ChunkIndex:
             scanned += 1
             if scanned >= DIRTY_SCAN:
                 break
-        return fallback
+        return None if self.keep_dirty else fallback
 
     def commit(self, key: bytes) -> bool:
         """Make a pending store resident (most recently used). False if it was not pending."""

@@ -57,6 +57,11 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
         # the stores), so a chunk is lost only when no clean one is near the evicting end
         for t in range(len(self.lower)):
             self.tier_index(t).dirty = self._dirty(t)
+            # "through": a chunk whose write-down is still to come is kept, and a new store that finds
+            # nothing else to evict is declined (counted), so a lagging drive (or a restart's
+            # backlog of write-downs) loses no stored chunk; one whose write-down failed may go
+            self.tier_index(t).keep_dirty = write_policy == "through"
+        self._unwritable: set[bytes] = set()  # chunks whose write-down failed or found no room below
         self._burst = 0  # the most chunks a recent step stored (decaying): what "back" keeps clean ahead
         self._down_in_flight = [0] * (1 + len(self.lower))  # write-downs planned and not reported, per source tier
         self._down: list[tuple[bytes, int]] = []  # committed in a tier, to be copied to the next one down

@@ -329,6 +329,7 @@ class StepPlanning:
             if not any(self.tier_index(t).is_pinned(key) for t in range(self.num_tiers)):
                 self._bad.discard(key)
                 dropped = [self.tier_index(t).drop(key) for t in range(self.num_tiers)]
+                self._unwritable.discard(key)
                 if any(dropped):
                     self._events.append(("removed", [key]))
 

@@ -8,9 +8,11 @@ only when it nears the evicting end of its full tier (the next BACK_AHEAD share 
 eviction order, or twice the most chunks a recent step stored, whichever is more) and admission
 agrees it is worth a drive write: a working set that fits the tier never writes the drive.
 
-Either way a full tier gives up clean chunks (held below) before dirty ones (under "through",
-those whose write-down has not come: a drive slower than the stores), and a dirty chunk it must
-give up anyway is counted as dropped. A chunk a hit loaded from a lower tier is copied up into
+Either way a full tier gives up clean chunks (held below) before dirty ones. Under "through" a
+dirty chunk is one whose write-down has not come yet (a drive slower than the stores, or a
+restart's backlog: reconcile_tiers), and it is kept: a new store that finds nothing clean near
+the evicting end is declined (counted), never a stored chunk lost; one whose write-down failed
+may go. Under "back" a dirty chunk it must give up anyway is counted as dropped. A chunk a hit loaded from a lower tier is copied up into
 tier 0 when tier 0's admission agrees (a promotion), only ever in place of a chunk a tier below
 holds. A hit on another writer's chunk (followed in the last tier's roots: replicas with private
 RAM tiers over one shared drive) is promoted the same way, into this writer's tier 0
@@ -112,6 +114,8 @@ class TierPlanning:
                 self.tier_stats.dropped += sum(1 for k in gone if k not in self._borrowed)
         if tier == 0 and self._borrowed:
             self._borrowed.difference_update(keys)
+        if self._unwritable:
+            self._unwritable.difference_update(keys)
 
     # -- pricing a hit across tiers -------------------------------------------------------
     def _tiered_take(self, r, take: int, found: int, prompt: int, max_load: int | None, computed: int,
@@ -201,7 +205,7 @@ class TierPlanning:
     def _dirty(self, tier: int):
         """`tier`'s chunks held nowhere below, nor being written there (ChunkIndex.dirty): a full
         tier gives them up last."""
-        return lambda key: not self._held_below(key, tier) and not any(
+        return lambda key: not self._held_below(key, tier) and key not in self._unwritable and not any(
             self.tier_index(t).is_pending(key) for t in range(tier + 1, self.num_tiers))
 
     def _held_below(self, key: bytes, tier: int) -> bool:
@@ -240,6 +244,7 @@ class TierPlanning:
         if slot is None:  # every slot below is pinned or pending: the chunk is not written down
             if dst > src and self.write_policy == "through":  # ("back": counted if it is evicted unwritten)
                 self.tier_stats.dropped += 1
+                self._unwritable.add(key)
             return
         if source is None:  # (another writer's chunk is its owner's: a copy of it checks it is still there)
             s_index.pin([key])
@@ -263,6 +268,7 @@ class TierPlanning:
             d_index.abort(tk.key)
             if dst > src and self.write_policy == "through":  # ("back": counted if it is evicted unwritten)
                 self.tier_stats.dropped += 1
+                self._unwritable.add(tk.key)  # not kept for a write-down that will not come
             return
         if not d_index.commit(tk.key):
             return
