@@ -69,10 +69,12 @@ class Drive:
         self.writes: deque = deque()
         self.background: deque = deque()  # [item, bytes left, "r" or "w"]
         self.read_bytes = self.write_bytes = 0
+        self.read_done_at: list[float] = []  # with advance(t0=...): when each read of the last advance landed
 
-    def advance(self, dt: float) -> tuple[list, list]:
-        budget = self.rate * dt
+    def advance(self, dt: float, t0: float = 0.0) -> tuple[list, list]:
+        budget = total = self.rate * dt
         done_r, done_w = [], []
+        self.read_done_at = []
         for q, done, kind in ((self.reads, done_r, "r"), (self.writes, done_w, "w")):
             while q and budget > 0:
                 take = min(budget, q[0][1])
@@ -84,6 +86,8 @@ class Drive:
                     self.write_bytes += take
                 if q[0][1] <= 1e-6:
                     done.append(q.popleft()[0])
+                    if kind == "r":
+                        self.read_done_at.append(t0 + (total - budget) / self.rate)
         while self.background and budget > 0:  # copies: behind reads and stores
             item = self.background[0]
             take = min(budget, item[1])
@@ -209,6 +213,7 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
     devices = [drive if stores == "disk" else Drive(a.ram_rate), drive]  # where tier 0 and tier 1 live
     copies: set[int] = set()  # tickets of copies between tiers in flight
     reads_lower: set[int] = set()  # async steps that read the drive tier
+    load_end: dict[int, float] = {}  # async step -> when its last read landed (the rate sample's end)
     gpu: OrderedDict = OrderedDict()  # vLLM's prefix cache: chunk prefix hashes, least recent first
     pending = deque(enumerate(requests))
     active: dict[str, Req] = {}
@@ -285,11 +290,16 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
             step = plan.step
         busy = bool(scheduled)
         dt = a.step_overhead_s + prefill_tokens / a.prefill_tps if busy else a.idle_tick_s
+        step_t0 = clock.t
         clock.t += dt
-        done_r, done_w = drive.advance(dt)
+        done_r, done_w = drive.advance(dt, step_t0)
+        landed = list(drive.read_done_at)
         if devices[0] is not drive:
-            more_r, more_w = devices[0].advance(dt)
+            more_r, more_w = devices[0].advance(dt, step_t0)
             done_r, done_w = done_r + more_r, done_w + more_w
+            landed += devices[0].read_done_at
+        for s, at in zip(done_r, landed):  # "exact": a load's sample ends when its last read landed
+            load_end[s] = max(load_end.get(s, 0.0), at if a.rate_timing == "exact" else clock.t)
         # the step's tokens
         for rid, n in scheduled.items():
             r = active[rid]
@@ -311,15 +321,16 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
                 async_left[s] -= 1
                 if async_left[s] == 0:
                     t0, nbytes = load_meta.pop(s)
+                    end = load_end.pop(s)
                     report.steps_done.append(s)
                     report.bytes_loaded += nbytes
                     if s in reads_lower:  # the drive tier set its pace: its own sample
                         reads_lower.discard(s)
                         report.lower_rate_bytes += nbytes
-                        report.lower_rate_seconds += clock.t - t0
+                        report.lower_rate_seconds += end - t0
                     else:
                         report.rate_bytes += nbytes
-                        report.rate_seconds += clock.t - t0
+                        report.rate_seconds += end - t0
                     for rid in waiting_on.pop(s):
                         r = active.get(rid)
                         if r is not None and r.state == "wait_load":
@@ -383,6 +394,9 @@ def main() -> None:
                     help="where the store lives: disk, ram, tiered, tiered_back, tiered_nopromo (a list)")
     ap.add_argument("--ram-chunks", type=int, default=256, help="the RAM root's or RAM tier's capacity, in chunks")
     ap.add_argument("--ram-gbps", type=float, default=25.0, help="the RAM tier's rate into the GPU (GB/s)")
+    ap.add_argument("--rate-timing", default="step", choices=["step", "exact"],
+                    help="a load's rate sample ends at the end of the step its last read landed in (step, as "
+                         "the results so far were made) or when that read landed (exact: a worker times its reads)")
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
