@@ -6,7 +6,7 @@
 #   bash scripts/gpu_tiers.sh 2   # offloading (CPU 8 GiB), tier_tutti, tutti_disk    prefix repetition
 #   bash scripts/gpu_tiers.sh 3   # part 1's cases, Zipf popularity
 #   bash scripts/gpu_tiers.sh 4   # part 2's cases, Zipf popularity
-#   bash scripts/gpu_tiers.sh 5   # tutti_tiered, tutti_tiered_nopromo, tutti_tiered_back: promote and write policy A/B
+#   bash scripts/gpu_tiers.sh 5   # tutti_tiered, tutti_tiered_nopromo: promotions A/B (two disk tiers fit the disk)
 #   bash scripts/gpu_tiers.sh proof   # scripts/gpu_kv_proof.py --cases tiered
 # Results land in $OUT (default /tmp/out): each part's serve_workload JSON and table.
 # (.gpu/setup.sh and .gpu/env.sh, where the checkout has them, set up that environment first.)
@@ -21,7 +21,7 @@ case "${1:-}" in
   2) cases=offloading,tier_tutti,tutti_disk; workload=prefix_repetition ;;
   3) cases=none,tier_fs,tutti_tiered; workload=zipf ;;
   4) cases=offloading,tier_tutti,tutti_disk; workload=zipf ;;
-  5) cases=tutti_tiered,tutti_tiered_nopromo,tutti_tiered_back; workload=prefix_repetition ;;
+  5) cases=tutti_tiered,tutti_tiered_nopromo; workload=prefix_repetition ;;
   proof) exec timeout 560 python3 scripts/gpu_kv_proof.py --cases tiered --out "$OUT/kv_proof_tiered" ;;
   *) echo "usage: $0 1|2|3|4|5|proof" >&2; exit 2 ;;
 esac
