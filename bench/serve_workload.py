@@ -365,8 +365,10 @@ def bench_cmd(a, model: str, result_dir: str, dataset: str | None, port: int) ->
                 "--num-prompts", str(a.num_prefixes * a.repeats)]
     else:
         n = a.conversations * a.turns if a.workload == "multi_turn" else a.num_prefixes * a.repeats
+        # --custom-output-len: its default (256) overrides each row's output_tokens, and a prompt
+        # near --max-model-len is then refused (400)
         cmd += ["--dataset-name", "custom", "--dataset-path", dataset, "--disable-shuffle", "--skip-chat-template",
-                "--num-prompts", str(n)]
+                "--num-prompts", str(n), "--custom-output-len", str(a.output_len)]
     return cmd
 
 
@@ -497,7 +499,7 @@ def table(results: list[dict]) -> str:
             rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | | | |")
             continue
         m = r["metrics"]
-        ratio = f"{r['request_throughput'] / base['request_throughput']:.2f}" if base else "-"
+        ratio = f"{r['request_throughput'] / base['request_throughput']:.2f}" if base and base['request_throughput'] else "-"
         hit = m["vllm:tutti_hit_tokens"] or m["vllm:external_prefix_cache_hits"]
         gil = f"{100 * tutti_share(r['gil']):.1f}%" if "gil" in r else "-"
         rows.append(f"| {r['case']} | {r['request_throughput']:.2f} | {ratio} | {r['mean_ttft_ms']:.0f} / "
