@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The tiers comparison (results/tiers.md) on one H200 under vLLM 0.26, in parts that each fit one
-# 10-minute device command: three 70B-class servers at a time (gpu util 0.31 each), 8 GiB of RAM
+# The tiers comparison (results/tiers.md) on one H200 under vLLM 0.26, in parts of under ten
+# minutes each: three 70B-class servers at a time (gpu util 0.31 each), 8 GiB of RAM
 # for every case, a 32 GiB disk, 32 prefixes of 8192 tokens (a 20 GiB working set), 4 sends each.
 #   bash scripts/gpu_tiers.sh 1   # none, tier_fs (vLLM CPU + fs), tutti_tiered       prefix repetition
 #   bash scripts/gpu_tiers.sh 2   # offloading (CPU 8 GiB), tier_tutti, tutti_disk    prefix repetition

@@ -194,7 +194,8 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "With tiers: \"hits\" copies a chunk a hit loaded from a lower tier up into the first when admission "
         "agrees (another server's chunk too); \"off\" leaves the first tier to new chunks: the chunk a hit "
         "loaded is in vLLM's GPU cache by then, so its copy in RAM serves only once vLLM evicts it "
-        "(bench/drive_sim.py's model serves a few percent more without: results/drive_sim.md).", "hits",
+        "(bench/drive_sim.py's model serves a few percent more without; an H200 serving run served the same "
+        "either way: results/tiers.md).", "hits",
         choice(("hits", "off"), "whether hits from a lower tier are copied up")),
     Key("chunk_tokens", "essential", "an integer in [1, 1048576], a multiple of vLLM's block size",
         "Tokens per stored chunk: the unit of a hit, a store and an eviction.", 256, integer(1, 1 << 20)),
