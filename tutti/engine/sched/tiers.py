@@ -12,9 +12,9 @@ Either way a full tier gives up clean chunks (held below) before dirty ones. Und
 dirty chunk is one whose write-down has not come yet (a drive slower than the stores, or a
 restart's backlog: reconcile_tiers), and it is kept: a new store that finds nothing clean near
 the evicting end is declined (counted), never a stored chunk lost; one whose write-down failed
-may go. Under "back" a dirty chunk it must give up anyway is counted as dropped. A chunk a hit loaded from a lower tier is copied up into
-tier 0 when tier 0's admission agrees (a promotion), only ever in place of a chunk a tier below
-holds. A hit on another writer's chunk (followed in the last tier's roots: replicas with private
+may go. Under "back" a dirty chunk it must give up anyway is counted as dropped. A chunk a hit
+loaded from a lower tier is copied up into tier 0 when tier 0's admission agrees (a promotion),
+only ever in place of a chunk a tier below holds. A hit on another writer's chunk (followed in the last tier's roots: replicas with private
 RAM tiers over one shared drive) is promoted the same way, into this writer's tier 0
 ("borrowed": its owner holds it below, so it is never written down and never counted dropped).
 
@@ -64,7 +64,7 @@ class TierStats:
     evictions: list[int]
     writedowns: list[int]  # copies committed into this tier from the one above
     promotions: int = 0  # copies committed into tier 0 from a lower tier
-    dropped: int = 0  # write-downs that found no room below (the chunk left tier 0 unwritten)
+    dropped: int = 0  # write-downs that failed or found no room below (the chunk left its tier unwritten)
     hit_bytes: list[int] = field(default_factory=list)  # bytes hits loaded from this tier
     borrowed: int = 0  # of the promotions, other writers' chunks (read from their files in the shared tier)
 
@@ -177,9 +177,10 @@ class TierPlanning:
         for key, src, source, slot in dict.fromkeys(up):
             if key in self.index or self.index.is_pending(key):
                 continue
-            held = self.foreign.get(key) if source is not None and self.foreign is not None else None
-            if source is not None and (held is None or tuple(held[:2]) != (source, slot)):
-                continue  # its owner gave it up (or moved it) since the hit: nothing to borrow
+            if source is not None:  # another writer's: only while its owner still holds it where it was read
+                held = self.foreign.get(key) if self.foreign is not None else None
+                if held is None or tuple(held[:2]) != (source, slot):
+                    continue  # its owner gave it up (or moved it) since the hit: nothing to borrow
             if not isinstance(self.admission, AdmitAll) and not self._promote_admitted(key):
                 continue
             self._plan_copy(plan, key, src, 0, source=source, src_slot=slot)

@@ -90,15 +90,8 @@ class TierCopier:
         if sums is None:
             raise LookupError(f"slot {c.src_slot} of tier {c.src} no longer holds it")
         dst = self.stores[c.dst]
-        with src.held(c.src_slot) as (fd, off):
-            done = 0
-            while done < self.slot_bytes:
-                if c.src > 0:  # a promotion reads the drive the hits read: after them, a slice at a time
-                    self._yield_to_reads()
-                k = os.preadv(fd, [self._view[done:done + self.slice_bytes]], off + done)
-                if k <= 0:
-                    raise OSError(f"short read of the source slot: {done} of {self.slot_bytes} bytes")
-                done += k
+        with src.held(c.src_slot) as (fd, off):  # a promotion reads the drive the hits read: after them
+            self._sliced(os.preadv, fd, off, yielding=c.src > 0, what="read of the source slot")
         if c.source is not None:
             bad = self.foreign.new_step({c.source}).get(c.source)  # what its owner journaled during the read
             if bad is not None:
@@ -107,15 +100,21 @@ class TierCopier:
                 raise LookupError(f"writer {c.source!r} gave slot {c.src_slot} up or rewrote it during the copy")
         dst.free([c.dst_slot])  # durably, before its bytes change
         with dst.held(c.dst_slot) as (fd, off):
-            done = 0
-            while done < self.slot_bytes:
-                self._yield_to_reads()
-                k = os.pwritev(fd, [self._view[done:done + self.slice_bytes]], off + done)
-                if k <= 0:
-                    raise OSError(f"write of the destination slot stopped at {done} of {self.slot_bytes} bytes")
-                done += k
+            self._sliced(os.pwritev, fd, off, yielding=True, what="write of the destination slot")
         dst.commit([(c.key, c.dst_slot, sums)])
         self.journals[c.dst].put(c.dst_slot, c.key, sums)
+
+    def _sliced(self, io, fd: int, off: int, *, yielding: bool, what: str) -> None:
+        """The whole slot between the buffer and `fd` at `off` through `io` (os.preadv or
+        os.pwritev), a slice at a time, each after the hits' reads in flight when `yielding`."""
+        done = 0
+        while done < self.slot_bytes:
+            if yielding:
+                self._yield_to_reads()
+            k = io(fd, [self._view[done:done + self.slice_bytes]], off + done)
+            if k <= 0:
+                raise OSError(f"{what} stopped at {done} of {self.slot_bytes} bytes")
+            done += k
 
     def _yield_to_reads(self) -> None:
         if self.reads is None:
