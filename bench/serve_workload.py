@@ -437,12 +437,51 @@ class Server:
                 if "tutti" in l or "Error" in l or "error" in l][-12:]
 
 
+def block_device(path: str) -> str | None:
+    """The /proc/diskstats name of the block device that holds `path` (its nearest existing
+    parent); None where it has none (an overlay or tmpfs root)."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    dev = os.stat(path or "/").st_dev
+    try:
+        return os.path.basename(os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"))
+    except OSError:
+        return None
+
+
+def diskstats(name: str | None) -> dict[str, float] | None:
+    """Bytes read and written and milliseconds busy of one block device (/proc/diskstats), to
+    tell whether a case was bound by its disk: busy / duration near 1 means it was."""
+    if not name:
+        return None
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                p = line.split()
+                if len(p) >= 13 and p[2] == name:
+                    return {"read_bytes": int(p[5]) * 512, "write_bytes": int(p[9]) * 512, "busy_ms": int(p[12])}
+    except OSError:
+        pass
+    return None
+
+
+def disk_delta(before: dict | None, after: dict | None, duration: float | None) -> dict | None:
+    if not before or not after or not duration:
+        return None
+    d = {k: after[k] - before[k] for k in before}
+    return {"read_gb": d["read_bytes"] / 1e9, "write_gb": d["write_bytes"] / 1e9,
+            "read_gbps": d["read_bytes"] / 1e9 / duration, "write_gbps": d["write_bytes"] / 1e9 / duration,
+            "busy": d["busy_ms"] / 1e3 / duration}
+
+
 def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
     res: dict = {"case": srv.case}
     try:
         srv.wait_ready(a.start_timeout)
         res["start_s"] = srv.start_s
         before = scrape(srv.port)
+        disk = block_device(a.disk_root)
+        disk_before = diskstats(disk)
         rdir = os.path.join(a.out, f"bench_{srv.case}")
         shutil.rmtree(rdir, ignore_errors=True)
         rec = None
@@ -464,6 +503,7 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
                 res["profile"] = profile_summary(a, srv.case)
         if b.returncode != 0:
             raise RuntimeError(f"vllm bench serve exited {b.returncode}: {(b.stderr or b.stdout)[-2000:]}")
+        disk_after = diskstats(disk)
         time.sleep(2)  # the last steps' counters reach /metrics
         after = scrape(srv.port)
         with open(os.path.join(rdir, "result.json")) as f:
@@ -472,6 +512,9 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
                                           "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
                                           "mean_e2el_ms", "duration")})
         res["metrics"] = {k: after[k] - before[k] for k in after}  # METRICS, and the declined tokens by reason
+        res["disk"] = disk_delta(disk_before, disk_after, r.get("duration"))
+        if res["disk"] is not None:
+            res["disk"]["device"] = disk
     except Exception as exc:  # noqa: BLE001 - one case's failure is reported, the others still run
         res["error"] = repr(exc)[-2000:]
     return res
@@ -487,16 +530,20 @@ def tier_cell(m: dict) -> str:
             f"{g('vllm:tutti_tier_writedowns:1')}, {g('vllm:tutti_tier_promotions')}, {g('vllm:tutti_tier_dropped')}")
 
 
+def disk_cell(d: dict | None) -> str:
+    return "-" if not d else f"{d['read_gb']:.1f} / {d['write_gb']:.1f}, {100 * d['busy']:.0f}%"
+
+
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["case"] == "none" and "error" not in r), None)
     rows = ["| case | req/s | x none | TTFT mean / p50 / p99 (ms) | TPOT mean / p99 (ms) | hit tokens (connector) | "
             "vLLM prefix-cache hits | stores skipped | tutti host s: worker hooks / threads' CPU (their waits, wall) / "
             "scheduler hooks | GIL held by tutti's threads | tiers: hit tokens 0 / 1, evictions 0 / 1, "
-            "write-downs, promotions, dropped |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "write-downs, promotions, dropped | disk: GB read / written, busy |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | | | |")
+            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | | | | |")
             continue
         m = r["metrics"]
         ratio = f"{r['request_throughput'] / base['request_throughput']:.2f}" if base and base['request_throughput'] else "-"
@@ -507,7 +554,7 @@ def table(results: list[dict]) -> str:
                     f"{hit:.0f} | {m['vllm:prefix_cache_hits']:.0f} | "
                     f"{m['vllm:tutti_skipped_stores']:.0f} | {m['vllm:tutti_worker_hook_seconds']:.2f} / "
                     f"{m['vllm:tutti_worker_thread_cpu_seconds']:.2f} ({m['vllm:tutti_worker_thread_wait_seconds']:.2f}) / "
-                    f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} | {gil} | {tier_cell(m)} |")
+                    f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} | {gil} | {tier_cell(m)} | {disk_cell(r.get('disk'))} |")
     return "\n".join(rows)
 
 

@@ -25,6 +25,12 @@ case "${1:-}" in
   proof) exec timeout 560 python3 scripts/gpu_kv_proof.py --cases tiered --out "$OUT/kv_proof_tiered" ;;
   *) echo "usage: $0 1|2|3|4|5|proof" >&2; exit 2 ;;
 esac
+# the disk's rates of the day (4 GiB, O_DIRECT, one request at a time): the bound every disk case works under
+mkdir -p /tmp/tutti-disk-probe
+{ dd if=/dev/zero of=/tmp/tutti-disk-probe/f bs=16M count=256 oflag=direct 2>&1 | tail -1 | sed 's/^/write: /'
+  dd if=/tmp/tutti-disk-probe/f of=/dev/null bs=16M iflag=direct 2>&1 | tail -1 | sed 's/^/read: /'
+} | tee "$OUT/disk_probe_${1}.txt"
+rm -rf /tmp/tutti-disk-probe
 # shellcheck disable=SC2086 # COMMON is a list of arguments
 timeout 570 python3 bench/serve_workload.py --out "$OUT/tiers_${1}_${workload}" --cases "$cases" --workload "$workload" $COMMON
 status=$?

@@ -210,3 +210,17 @@ def test_a_server_ready_past_its_deadline_counts_as_ready():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_disk_delta_reads_the_device_that_holds_a_path(tmp_path):
+    """The per-case disk figures come from the block device under the disk root (or none, on an
+    overlay or tmpfs), and their rates are the counters' differences over the run's duration."""
+    name = sw.block_device(str(tmp_path / "not" / "yet"))
+    stats = sw.diskstats(name)
+    if name is not None and stats is not None:
+        assert set(stats) == {"read_bytes", "write_bytes", "busy_ms"} and stats["busy_ms"] >= 0
+    d = sw.disk_delta({"read_bytes": 0, "write_bytes": 0, "busy_ms": 0},
+                      {"read_bytes": 4e9, "write_bytes": 2e9, "busy_ms": 1500}, 2.0)
+    assert d == {"read_gb": 4.0, "write_gb": 2.0, "read_gbps": 2.0, "write_gbps": 1.0, "busy": 0.75}
+    assert sw.disk_delta(None, stats, 2.0) is None
+    assert sw.disk_cell(d) == "4.0 / 2.0, 75%"
