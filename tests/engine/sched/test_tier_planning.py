@@ -135,31 +135,67 @@ def test_an_eviction_from_the_last_tier_holding_a_chunk_withdraws_it():
     assert not any(kind == "removed" and chunks[1] in keys for kind, keys in events)
 
 
-def test_a_hit_loads_its_ram_part_and_prices_the_rest_by_the_lower_tiers_rate():
-    """slot_bytes 4096 per 64 tokens: 64 B a token. Prefill 1,000 tokens/s; RAM reads 1 GB/s.
-    A drive at 1 MB/s (16k tokens/s) is worth loading; at 10 kB/s (160 tokens/s) it is not."""
+HIT = list(range(2000, 2257))  # 4 chunks and a token
+
+
+def ram_head_disk_all(disk_rate: float) -> Planner:
+    """A planner whose RAM tier holds HIT's first 2 chunks and whose drive holds all 4; slot_bytes
+    4096 per 64 tokens: 64 B a token. Prefill 1,000 tokens/s; RAM reads 1 GB/s, the drive
+    `disk_rate` B/s."""
     from tutti.engine.sched.hit_policy import get_policy
 
-    def planner_with(disk_rate):
-        p = tiered(ram=2)
-        p.hit_policy = get_policy("auto")
-        keys = p._request("setup", toks).keys[:4]
-        for index, held in ((p.index, keys[:2]), (p.lower[0].index, keys)):  # RAM: the head; disk: all of it
-            index.plan_store(held)
-            for k in held:
-                index.commit(k)
-        p.meter.seed(prefill_tokens_per_s=1000.0, step_s=0.05)
-        p.meter.on_loads(1 << 30, 1.0)
-        p.lower_meter.on_loads(int(disk_rate), 1.0)
-        return p
+    p = tiered(ram=2)
+    p.hit_policy = get_policy("auto")
+    keys = p._request("setup", HIT).keys[:4]
+    for index, held in ((p.index, keys[:2]), (p.lower[0].index, keys)):
+        index.plan_store(held)
+        for k in held:
+            index.commit(k)
+    p.meter.seed(prefill_tokens_per_s=1000.0, step_s=0.05)
+    p.meter.on_loads(1 << 30, 1.0)
+    p.lower_meter.on_loads(int(disk_rate), 1.0)
+    return p
 
-    toks = list(range(2000, 2257))  # 4 chunks and a token
-    fast = planner_with(1e6)
+
+def test_a_hit_loads_its_ram_part_and_prices_the_rest_by_the_lower_tiers_rate():
+    """A drive at 1 MB/s (16k tokens/s) is worth loading; at 10 kB/s (160 tokens/s) it is not."""
+    fast = ram_head_disk_all(1e6)
     assert [t for _, _, t in fast._locate(fast._reqs["setup"].keys[:4])] == [0, 0, 1, 1]
-    assert fast.match("a", toks, 0) == 4 * T
-    slow = planner_with(1e4)
-    assert slow.match("a", toks, 0) == 2 * T  # the RAM part only: the drive is slower than recomputing
+    assert fast.match("a", HIT, 0) == 4 * T
+    slow = ram_head_disk_all(1e4)
+    assert slow.match("a", HIT, 0) == 2 * T  # the RAM part only: the drive is slower than recomputing
     assert slow._reqs["a"].declined == 2 * T
+    assert slow._reqs["a"].declined_by == {"rate": 2 * T}
+
+
+def test_loads_queued_for_the_ram_tier_do_not_delay_the_drive_part_but_loads_queued_for_the_drive_do():
+    """1 MiB of loads queued ahead: at the RAM's rate a millisecond, at the drive's a second, longer
+    than recomputing the 129 tokens past the RAM part (0.13 s). Queued for the RAM tier, the drive
+    part still loads (each tier reads from its own queue); queued for the drive, it is recomputed
+    and counted as declined for the queue."""
+    ram_queue = ram_head_disk_all(1e6)
+    ram_queue._unsent_load_bytes = 1 << 20
+    assert ram_queue.match("a", HIT, 0) == 4 * T
+    drive_queue = ram_head_disk_all(1e6)
+    drive_queue._unsent_load_bytes = drive_queue._unsent_lower_bytes = 1 << 20
+    assert drive_queue.match("a", HIT, 0) == 2 * T
+    assert drive_queue._reqs["a"].declined_by == {"queue": 2 * T}
+
+
+def test_the_queue_of_drive_loads_is_counted_while_planned_and_in_flight_and_drains_when_reported():
+    """A hit's loads from the drive count in the drive's queue from allocation until the step that
+    carried them is reported done; RAM loads count only in the whole queue."""
+    p = ram_head_disk_all(1e6)
+    assert p.match("a", HIT, 0) == 4 * T
+    blocks = list(range(10, 19))
+    p.on_alloc("a", blocks, 4 * T)
+    per_chunk = 4096
+    assert p._queued_load_bytes() == 4 * per_chunk and p._queued_load_bytes(lower=True) == 2 * per_chunk
+    p.update_request("a", tokens=HIT, all_block_ids=blocks)
+    plan = p.build_step({"a": 1}, {"a": 4 * T})
+    assert p._queued_load_bytes(lower=True) == 2 * per_chunk  # sent: in flight until the step is done
+    p.on_report(WorkerReport(steps_done=[plan.async_step if plan.async_loads else plan.step]))
+    assert p._queued_load_bytes() == 0 and p._queued_load_bytes(lower=True) == 0
 
 
 def back(ram=16, disk=64):

@@ -110,7 +110,7 @@ class HitPlanning:
         if self.state_groups and take < found:  # a shorter hit must end on a chunk whose state is stored
             take = 0
         r.declined = found - take  # counted once vLLM allocates (it may look a request up again)
-        r.declined_by = self._declined_by(found, chosen, take, budget_cut, reason, len(tokens) - num_computed_tokens,
+        r.declined_by = self._declined_by(r, found, chosen, take, budget_cut, reason, len(tokens) - num_computed_tokens,
                                           max_load_tokens, num_computed_tokens, batch, r.load_async)
         extra = self._tail(r, len(tokens), usable, num_computed_tokens + take, max_load_tokens)
         if extra:
@@ -146,8 +146,9 @@ class HitPlanning:
         r.hit_sources.append(where[0])
         return extra
 
-    def _declined_by(self, found: int, chosen: int, take: int, budget_cut: int, reason: str, prompt: int,
-                     max_load_tokens: int | None, context: int, batch: int, asynchronous: bool) -> dict[str, int]:
+    def _declined_by(self, r: RequestState, found: int, chosen: int, take: int, budget_cut: int, reason: str,
+                     prompt: int, max_load_tokens: int | None, context: int, batch: int,
+                     asynchronous: bool) -> dict[str, int]:
         """Why `found - take` hit tokens were recomputed, in tokens: "unmeasured" (no read rate yet),
         "queue" (what the policy would have loaded with no loads queued ahead), "rate" (the rest of
         the policy's cut), "budget" (the step's byte budget), "state" (a hybrid hit must end where a
@@ -160,8 +161,11 @@ class HitPlanning:
             else:
                 free = chosen
                 if self._queued_load_bytes():
-                    free = max(chosen, self._choose(found, prompt, max_load_tokens, asynchronous=asynchronous,
-                                                    context=context, batch=batch, queued=0))
+                    free = self._choose(found, prompt, max_load_tokens, asynchronous=asynchronous, context=context,
+                                        batch=batch, queued=0)
+                    if self.lower and any(t for _, _, t in r.hit_sources):  # priced per tier, as chosen
+                        free = self._tiered_take(r, free, found, prompt, max_load_tokens, context, batch, queued=0)
+                    free = max(chosen, free)
                 if free > chosen:
                     by["queue"] = free - chosen
                 if found - free > 0:
@@ -173,9 +177,18 @@ class HitPlanning:
             by["state"] = state
         return by
 
-    def _queued_load_bytes(self) -> int:
-        """Bytes of loads planned and not yet done: read before a new hit's."""
+    def _queued_load_bytes(self, lower: bool = False) -> int:
+        """Bytes of loads planned and not yet done: read before a new hit's (`lower`: only those
+        from tiers below the first, which the drive reads apart from the RAM tier's)."""
+        if lower:
+            return self._unsent_lower_bytes + sum(self._step_lower_bytes.values())
         return self._unsent_load_bytes + sum(self._step_load_bytes.values())
+
+    def _queue_load(self, ld: LoadChunk) -> None:
+        n = self._load_bytes(ld)
+        self._unsent_load_bytes += n
+        if ld.tier:
+            self._unsent_lower_bytes += n
 
     def sync_budget_bytes(self, step_s: float = 0.0) -> float | None:
         """The bytes one step may load layer-wise now (None: no budget, or not measured yet); "auto":
@@ -286,7 +299,7 @@ class HitPlanning:
                 raise RuntimeError(f"chunk {c} of request {req_id} vanished between lookup and allocation")
             skip = max(0, r.local_computed - c * self.chunk_tokens) // self.block_size
             r.loads.append(LoadChunk(req_id, key, slot, self._chunk_blocks(r, c), skip, source, tier=tier))
-            self._unsent_load_bytes += self._load_bytes(r.loads[-1])
+            self._queue_load(r.loads[-1])
             self._hold(key, source, slot, tier)
             self.tier_stats.hit_tokens[tier] += self._load_tokens(r.loads[-1])
             self.tier_stats.hit_bytes[tier] += self._load_bytes(r.loads[-1])
@@ -324,7 +337,7 @@ class HitPlanning:
         if source is None and self.tier_index(tier).slot_of(key) != slot:
             raise RuntimeError(f"chunk {c} of request {r.req_id} vanished between lookup and allocation")
         r.loads.append(LoadChunk(r.req_id, key, slot, blocks, skip, source, keep_blocks=keep, tier=tier))
-        self._unsent_load_bytes += self._load_bytes(r.loads[-1])
+        self._queue_load(r.loads[-1])
         self._hold(key, source, slot, tier)
         return True
 

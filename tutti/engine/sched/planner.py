@@ -127,6 +127,9 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
         self._step_sync_bytes = 0  # loaded in the step being scheduled
         self._unsent_load_bytes = 0
         self._step_load_bytes: dict[int, int] = {}
+        # the same, of loads from tiers below the first (their reads queue apart from the RAM's)
+        self._unsent_lower_bytes = 0
+        self._step_lower_bytes: dict[int, int] = {}
         self._backlog = 0  # prompt tokens not computed, as of the last step (plus lookups since)
         self._batch_ids: frozenset[str] = frozenset()  # requests of the last step: a prompt computed now
         # lengthens their steps (while they run: a finished one waits for nothing)

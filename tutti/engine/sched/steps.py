@@ -53,6 +53,7 @@ class StepPlanning:
 
     def _drop_unsent(self, loads: Sequence[LoadChunk]) -> None:
         self._unsent_load_bytes = max(0, self._unsent_load_bytes - sum(self._load_bytes(ld) for ld in loads))
+        self._unsent_lower_bytes = max(0, self._unsent_lower_bytes - sum(self._load_bytes(ld) for ld in loads if ld.tier))
 
     # -- per step -------------------------------------------------------------------------
     def update_request(self, req_id: str, *, new_block_ids: Sequence[int] = (), tokens: Sequence[int] | None = None,
@@ -209,6 +210,9 @@ class StepPlanning:
         """These loads went out with `step`: queued until every worker reports the step done."""
         self._drop_unsent(loads)
         self._step_load_bytes[step] = self._step_load_bytes.get(step, 0) + sum(self._load_bytes(ld) for ld in loads)
+        lower = sum(self._load_bytes(ld) for ld in loads if ld.tier)
+        if lower:
+            self._step_lower_bytes[step] = self._step_lower_bytes.get(step, 0) + lower
 
     # -- lifecycle ------------------------------------------------------------------------
     def preempted(self, req_id: str) -> None:
@@ -314,6 +318,7 @@ class StepPlanning:
             if n >= self.num_workers:
                 self._step_done_count.pop(step, None)
                 self._step_load_bytes.pop(step, None)
+                self._step_lower_bytes.pop(step, None)
                 pins = self._step_pins.pop(step, [])
                 for tier, key in pins:
                     self.tier_index(tier).unpin([key])

@@ -119,19 +119,29 @@ class TierPlanning:
 
     # -- pricing a hit across tiers -------------------------------------------------------
     def _tiered_take(self, r, take: int, found: int, prompt: int, max_load: int | None, computed: int,
-                     batch: int) -> int:
+                     batch: int, queued: int | None = None) -> int:
         """The tokens to load of a hit that reaches into a lower tier: its leading run in the first
-        tier as the policy chose at that tier's rate (`take`, cut to the run), or as much of the
-        whole hit as the policy chooses at the lower tiers' measured rate (`lower_meter`), which
-        ever is more. So a hit loads its RAM part, then what the drive delivers in time."""
+        tier as the policy chose at that tier's rate (`take`, cut to the run), plus as much of the
+        rest as the policy chooses at the lower tiers' measured rate (`lower_meter`) behind the
+        loads queued for the lower tiers alone. So a hit loads its RAM part, then what the drive
+        delivers in time. The RAM part is not priced at the drive's rate, nor does a queue of RAM
+        loads count as a wait for the drive: the two read apart (each tier its own queue), and
+        pricing both at the drive's rate recomputed hits the drive had time for. `queued`: the lower
+        tiers' load bytes queued ahead (default: as planned)."""
         fast = 0
         for source, _, tier in r.hit_sources:
             if tier or source is not None:
                 break
             fast += 1
-        ram = min(take, max(0, fast * self.chunk_tokens - computed))
-        slow = self._choose(found, prompt, max_load, context=computed, batch=batch, meter=self.lower_meter)
-        return max(ram, slow)
+        run = max(0, fast * self.chunk_tokens - computed)
+        ram = min(take, run)
+        if ram < run or run >= found:  # the policy cut the RAM run itself: nothing below is worth more
+            return ram
+        rest = self._choose(found - run, prompt - run, None if max_load is None else max(0, max_load - run),
+                            context=computed + run, batch=batch,
+                            queued=self._queued_load_bytes(lower=True) if queued is None else queued,
+                            meter=self.lower_meter)
+        return run + rest
 
     # -- planning copies ------------------------------------------------------------------
     def reconcile_tiers(self) -> int:
