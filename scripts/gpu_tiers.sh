@@ -13,6 +13,8 @@
 #                                 # Zipf popularity: everything fits
 #   bash scripts/gpu_tiers.sh 8   # none, tutti_disk (32 GiB), tutti_tiered (8 GiB RAM + 32 GiB disk) on the 8B
 #                                 # geometry: 48 prefixes of 4096 tokens (24 GiB), vLLM's GPU KV 8 GiB
+#   bash scripts/gpu_tiers.sh 9   # tier_fs, tutti_tiered alone (two servers, part 1's workload): tutti against
+#                                 # vLLM's pair when little device time is left
 #   bash scripts/gpu_tiers.sh proof   # scripts/gpu_kv_proof.py --cases tiered
 # Results land in $OUT (default /tmp/out): each part's serve_workload JSON and table.
 # (.gpu/setup.sh and .gpu/env.sh, where the checkout has them, set up that environment first.)
@@ -30,10 +32,11 @@ case "${1:-}" in
   5) cases=tutti_tiered,tutti_tiered_nopromo; workload=prefix_repetition ;;
   6) cases=none,offloading,tutti_shm; workload=prefix_repetition; COMMON="$COMMON --capacity 32GiB" ;;
   7) cases=none,offloading,tutti_tiered; workload=zipf; COMMON="$COMMON --capacity 32GiB" ;;
+  9) cases=tier_fs,tutti_tiered; workload=prefix_repetition ;;
   8) cases=none,tutti_disk,tutti_tiered; workload=prefix_repetition
      COMMON="$COMMON --geometry 8b --num-prefixes 48 --prefix-len 4096 --kv-cache-bytes 8589934592" ;;
   proof) exec timeout 560 python3 scripts/gpu_kv_proof.py --cases tiered --out "$OUT/kv_proof_tiered" ;;
-  *) echo "usage: $0 1|2|3|4|5|6|7|8|proof" >&2; exit 2 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|7|8|9|proof" >&2; exit 2 ;;
 esac
 # the disk's rates of the day (4 GiB, O_DIRECT, one request at a time): the bound every disk case works under
 mkdir -p /tmp/tutti-disk-probe
