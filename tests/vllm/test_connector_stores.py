@@ -175,6 +175,44 @@ def test_skipped_stores_are_said_in_vllms_log(tiny_model, tmp_path):
     assert len(said) == 1 and "WARNING" in said[0] and "staging_bytes" in said[0], out[-3000:]
 
 
+def test_a_fresh_ram_root_prices_its_first_burst_of_hits_without_waiting_for_a_load(tiny_model, reference):
+    """A server started on an empty RAM root stores three prompts, then gets them again in one
+    batch. Nothing had been loaded yet, so before the worker's start-up probe measured an empty
+    mapped root (it copies scratch host memory as a load copies a chunk), the rate was unmeasured:
+    the first hit loaded whole and the others were recomputed, counted as "unmeasured". Now none
+    is declined for want of a rate, and the tokens equal recompute's."""
+    if not os.path.isdir("/dev/shm") or fs_type("/dev/shm") not in RAM_FILESYSTEMS:
+        pytest.skip("needs a tmpfs /dev/shm: a mapped RAM root")
+    base = prompt(61, 300)
+    ps = [base + prompt(62, 300), base + prompt(63, 420), base + prompt(64, 250)]
+    want = reference(ps, enable_prefix_caching=False)
+    shm = Path(f"/dev/shm/tutti-fresh-burst-{os.getpid()}")
+    kvt = kv_config(shm, hit_policy="auto")
+    code = (
+        "import json, harness\n"
+        f"llm = harness.make_llm({str(tiny_model)!r}, kv_transfer_config={kvt!r}, enable_prefix_caching=False)\n"
+        f"harness.generate_ids(llm, {ps!r}, 8)\n"
+        "harness.settle(llm)\n"
+        "conn = harness.connector(llm)\n"
+        "probe = conn.planner.meter.load_rate\n"
+        f"outs = harness.generate_ids(llm, {ps!r}, 8)\n"
+        "harness.settle(llm)\n"
+        "print('RESULT', json.dumps([{'tokens': list(o.outputs[0].token_ids), 'cached': o.num_cached_tokens}"
+        " for o in outs]))\n"
+        "print('STATS', json.dumps({**vars(conn.planner.stats), 'rate_before_hits': probe}))\n"
+        "harness.shutdown_llm(llm)\n"
+    )
+    try:
+        res, stats = results_of(code)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert stats["rate_before_hits"], "no read rate before the first hit: the probe measured nothing"
+    assert stats["declined_unmeasured_tokens"] == 0, stats
+    assert [r["tokens"] for r in res] == want
+    assert sum(r["cached"] for r in res) == stats["hit_tokens"]  # vLLM's own cache is off: every hit is tutti's
+    assert stats["hit_tokens"] + stats["declined_hit_tokens"] > 0  # the prompts were found stored
+
+
 def test_a_batch_of_stored_prompts_after_a_restart_loads_every_hit(tiny_model, tmp_path, reference):
     """Three stored prompts sharing their first 300 tokens, asked again in one `generate` call by a
     fresh process (a server restarting into a burst of hits). The read rate was unmeasured at the

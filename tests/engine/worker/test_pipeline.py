@@ -207,6 +207,16 @@ def test_start_up_probes_the_read_rate_of_stored_chunks(tmp_path):
     w.warm_up()
     assert w.probe == (0, 0.0) and w.take_report().probe_bytes == 0
     w.close()
+    # an empty mapped RAM root copies scratch host memory as its loads copy: RAM's rate is known
+    # before anything is stored, and nothing in the caches changes
+    dst = make_caches(0)
+    before = [c.clone() for c in dst]
+    w = worker(tmp_path / "empty_mapped", dst, mapped_loads=True)
+    assert w.loads.maps
+    w.warm_up()
+    assert w.probe[0] >= w.store.slot_bytes and w.probe[1] > 0 and w.take_report().probe_bytes == w.probe[0]
+    assert all(torch.equal(a, b) for a, b in zip(dst, before))
+    w.close()
     store_chunks(tmp_path, make_caches(0), [(3, [0, 1]), (7, [4, 5]), (8, [10, 11])])
     dst = make_caches(1)
     before = [c.clone() for c in dst]
