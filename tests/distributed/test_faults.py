@@ -118,22 +118,16 @@ def _request_computing(server: Server, req: str, i: int, truth_caches) -> tuple[
     model would (node a's KV for prompt i): the harness has no model, and a store of blocks
     never computed would put wrong KV in the store, which no server does. DST is cleared first,
     so a block the step reports loaded holds what the load wrote."""
-    tokens = prompt(100 + i, 2)
     truth = expected(truth_caches, i)
     for c in server.caches:
         c[DST] = 0
-    hit = server.planner.match(req, tokens, 0)
-    for c, t in zip(server.caches, truth):
-        for j in range(hit // (T // BPC), 2 * BPC):
-            c[DST[j]] = t[j]
-    server.planner.on_alloc(req, DST, hit)
-    plan = server.planner.build_step({req: len(tokens) - hit}, {req: hit})
-    run_step(server.worker, plan)
-    server.worker.flush()
-    failed = server.worker.take_failed_blocks()
-    server.planner.on_report(server.worker.take_report())
-    server.planner.finished(req)
-    return hit, failed, plan
+
+    def compute(hit: int) -> None:
+        for c, t in zip(server.caches, truth):
+            for j in range(hit // (T // BPC), 2 * BPC):
+                c[DST[j]] = t[j]
+
+    return server.request(req, prompt(100 + i, 2), DST, compute=compute)
 
 
 def _a_caches():

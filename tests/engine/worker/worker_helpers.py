@@ -180,9 +180,12 @@ class Server:
         self.planner = build_planner(c, geometry(), engine_id=engine_id, announce=announce)
         self.writer_id = self.worker.cfg.writer_id
 
-    def request(self, req, tokens, blocks):
-        """match, allocate, one step computing the rest of the prompt; (hit tokens, failed blocks, plan)."""
+    def request(self, req, tokens, blocks, compute=None):
+        """match, allocate, one step computing the rest of the prompt; (hit tokens, failed blocks, plan).
+        `compute(hit)`, if given, runs before the step: what a model computes into the blocks not loaded."""
         hit = self.planner.match(req, tokens, 0)
+        if compute is not None:
+            compute(hit)
         self.planner.on_alloc(req, blocks, hit)
         plan = self.planner.build_step({req: len(tokens) - hit}, {req: hit})
         run_step(self.worker, plan)
