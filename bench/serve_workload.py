@@ -66,7 +66,12 @@ METRICS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:external
            "vllm:tutti_load_bytes", "vllm:tutti_load_seconds", "vllm:tutti_store_bytes", "vllm:tutti_store_seconds",
            "vllm:tutti_worker_hook_seconds", "vllm:tutti_worker_thread_cpu_seconds", "vllm:tutti_worker_thread_wait_seconds",
            "vllm:tutti_scheduler_hook_seconds",
-           "vllm:kv_offload_total_bytes", "vllm:kv_offload_total_time", "vllm:num_preemptions")
+           "vllm:kv_offload_total_bytes", "vllm:kv_offload_total_time", "vllm:num_preemptions",
+           # how long a hit waits outside the batch for its KV: tutti's asynchronous loads, and vLLM's
+           # tiers' lookups deferred while a chunk comes up from a secondary tier (its CPU-to-GPU
+           # load after that is not in it)
+           "vllm:tutti_async_wait_seconds", "vllm:tutti_async_waits",
+           "vllm:kv_offload_lookup_async_delay_seconds_sum", "vllm:kv_offload_lookup_async_delay_seconds_count")
 # one counter with a `reason` label: kept apart per reason, as "NAME:REASON"
 BY_REASON = "vllm:tutti_declined_hit_tokens_by_reason"
 REASONS = ("rate", "queue", "unmeasured", "budget", "state")
@@ -530,6 +535,16 @@ def tier_cell(m: dict) -> str:
             f"{g('vllm:tutti_tier_writedowns:1')}, {g('vllm:tutti_tier_promotions')}, {g('vllm:tutti_tier_dropped')}")
 
 
+def wait_cell(m: dict) -> str:
+    """The mean wait of a hit outside the batch, in ms: tutti's asynchronous loads, or vLLM's
+    deferred lookups of its secondary tiers ("-": none counted)."""
+    for s, n in (("vllm:tutti_async_wait_seconds", "vllm:tutti_async_waits"),
+                 ("vllm:kv_offload_lookup_async_delay_seconds_sum", "vllm:kv_offload_lookup_async_delay_seconds_count")):
+        if m.get(n):
+            return f"{1000 * m[s] / m[n]:.0f} ({m[n]:.0f})"
+    return "-"
+
+
 def disk_cell(d: dict | None) -> str:
     return "-" if not d else f"{d['read_gb']:.1f} / {d['write_gb']:.1f}, {100 * d['busy']:.0f}%"
 
@@ -539,11 +554,12 @@ def table(results: list[dict]) -> str:
     rows = ["| case | req/s | x none | TTFT mean / p50 / p99 (ms) | TPOT mean / p99 (ms) | hit tokens (connector) | "
             "vLLM prefix-cache hits | stores skipped | tutti host s: worker hooks / threads' CPU (their waits, wall) / "
             "scheduler hooks | GIL held by tutti's threads | tiers: hit tokens 0 / 1, evictions 0 / 1, "
-            "write-downs, promotions, dropped | disk: GB read / written, busy |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "write-downs, promotions, dropped | disk: GB read / written, busy | a hit's wait outside the batch, "
+            "mean ms (hits) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | | | | |")
+            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | | | | | |")
             continue
         m = r["metrics"]
         ratio = f"{r['request_throughput'] / base['request_throughput']:.2f}" if base and base['request_throughput'] else "-"
@@ -554,7 +570,7 @@ def table(results: list[dict]) -> str:
                     f"{hit:.0f} | {m['vllm:prefix_cache_hits']:.0f} | "
                     f"{m['vllm:tutti_skipped_stores']:.0f} | {m['vllm:tutti_worker_hook_seconds']:.2f} / "
                     f"{m['vllm:tutti_worker_thread_cpu_seconds']:.2f} ({m['vllm:tutti_worker_thread_wait_seconds']:.2f}) / "
-                    f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} | {gil} | {tier_cell(m)} | {disk_cell(r.get('disk'))} |")
+                    f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} | {gil} | {tier_cell(m)} | {disk_cell(r.get('disk'))} | {wait_cell(m)} |")
     return "\n".join(rows)
 
 

@@ -224,3 +224,13 @@ def test_disk_delta_reads_the_device_that_holds_a_path(tmp_path):
     assert d == {"read_gb": 4.0, "write_gb": 2.0, "read_gbps": 2.0, "write_gbps": 1.0, "busy": 0.75}
     assert sw.disk_delta(None, stats, 2.0) is None
     assert sw.disk_cell(d) == "4.0 / 2.0, 75%"
+
+
+def test_wait_cell_is_a_hits_mean_wait_from_tuttis_or_vllms_counters():
+    assert sw.wait_cell({"vllm:tutti_async_wait_seconds": 3.0, "vllm:tutti_async_waits": 4}) == "750 (4)"
+    assert sw.wait_cell({"vllm:kv_offload_lookup_async_delay_seconds_sum": 0.5,
+                         "vllm:kv_offload_lookup_async_delay_seconds_count": 2}) == "250 (2)"
+    assert sw.wait_cell({"vllm:tutti_async_waits": 0}) == "-"
+    m = sw.parse_metrics('vllm:tutti_async_wait_seconds_total{engine="0"} 1.5\n'
+                         'vllm:kv_offload_lookup_async_delay_seconds_count{engine="0"} 3.0\n')
+    assert m["vllm:tutti_async_wait_seconds"] == 1.5 and m["vllm:kv_offload_lookup_async_delay_seconds_count"] == 3.0

@@ -89,6 +89,7 @@ def test_a_step_with_nothing_scheduled_waits_for_the_asynchronous_load(tiny_mode
     )
     res, stats = results_of(code)
     assert stats["async_hit_tokens"] == 4 * CHUNK and stats["idle_waits"] >= 1, stats
+    assert stats["async_waits"] == 1 and stats["async_wait_seconds"] > 0, stats  # its wait, from vLLM's receipt
     assert res[0]["tokens"] == reference([p])[0]
 
 

@@ -68,6 +68,11 @@ METRICS: tuple[MetricDef, ...] = (
               "Tokens loaded from tutti's store beyond vLLM's own prefix cache (instead of computed)."),
     MetricDef("async_hit_tokens", "vllm:tutti_async_hit_tokens", COUNTER,
               "Of the hit tokens, those loaded asynchronously (the request waited outside the batch)."),
+    MetricDef("async_wait_seconds", "vllm:tutti_async_wait_seconds", COUNTER,
+              "Seconds asynchronous hits waited outside the batch, from their blocks' allocation to vLLM "
+              "learning their loads were received, summed over hits (with tutti_async_waits: the mean wait)."),
+    MetricDef("async_waits", "vllm:tutti_async_waits", COUNTER,
+              "Asynchronous hits whose wait is counted in tutti_async_wait_seconds."),
     MetricDef("declined_hit_tokens", "vllm:tutti_declined_hit_tokens", COUNTER,
               "Tokens found in tutti's store and recomputed by the hit policy's choice (recomputing was faster)."),
     *(MetricDef(f"declined_{why}_tokens", "vllm:tutti_declined_hit_tokens_by_reason", COUNTER,
@@ -110,7 +115,8 @@ BY_FIELD: dict[str, MetricDef] = {m.field: m for m in METRICS}
 WORKER_FIELDS = ("bytes_loaded", "load_seconds", "bytes_stored", "store_seconds", "stores_skipped",
                  "worker_hook_seconds", "worker_thread_cpu_seconds", "worker_thread_wait_seconds")
 TIER_LISTS = ("hit_tokens", "hit_bytes", "evictions", "writedowns")  # TierStats' per-tier lists
-SCHEDULER_FIELDS = ("queried_tokens", "hit_tokens", "async_hit_tokens", "declined_hit_tokens", "loads_failed",
+SCHEDULER_FIELDS = ("queried_tokens", "hit_tokens", "async_hit_tokens", "async_wait_seconds", "async_waits",
+                    "declined_hit_tokens", "loads_failed",
                     "stores_committed", "evictions",
                     *(m.field for m in METRICS if m.field.startswith("declined_") and m.reason))
 

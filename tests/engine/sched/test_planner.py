@@ -1,3 +1,5 @@
+import time
+
 import pytest
 
 from tutti.engine.keys import namespace_seed
@@ -293,6 +295,27 @@ def test_tail_loads_asynchronously_too():
     assert p.stats.async_hit_tokens == 2 * T - TB
     p.on_report(WorkerReport(steps_done=[plan.async_step]))
     assert not any(p.index.is_pinned(ld.key) for ld in plan.async_loads)
+
+
+def test_an_asynchronous_hit_counts_its_wait_until_vllm_learns_it_was_received():
+    """The wait outside the batch: from the blocks' allocation to the receipt vLLM passes on
+    (finished_recving), once a hit; a layer-wise hit and a request never seen count nothing."""
+    p = tail_planner(asynchronous=True)
+    toks = list(range(2 * T))
+    stored(p, toks)
+    assert p.match("b", toks, 0) == 2 * T - TB
+    p.on_alloc("b", list(range(1, 8)), 2 * T - TB, async_load=True)
+    p.build_step({}, {})
+    time.sleep(0.02)
+    p.received(["b", "never-seen"])
+    p.received(["b"])  # reported again: counted once
+    assert p.stats.async_waits == 1 and 0.02 <= p.stats.async_wait_seconds < 5
+    q = tail_planner()
+    stored(q, toks)
+    q.match("c", toks, 0)
+    q.on_alloc("c", list(range(1, 9)), 2 * T - TB)
+    q.received(["c"])
+    assert q.stats.async_waits == 0 and q.stats.async_wait_seconds == 0
 
 
 def test_a_failed_tail_load_drops_its_chunk():

@@ -5,7 +5,8 @@ another writer's), and the loads planned once vLLM allocated the blocks."""
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+import time
+from typing import Iterable, Sequence
 
 from tutti.engine.sched.hit_policy import UNMEASURED, HitQuery, Rates, chunk_floor, prefill_work
 from tutti.engine.keys import Identity, UnkeyableError, chunk_keys, state_key
@@ -203,6 +204,17 @@ class HitPlanning:
         return resolve.sync_load_budget_bytes(rate=rate, overhead=overhead, prefill_rate=self.meter.prefill_rate,
                                               step_tokens=self.step_tokens, step_s=step_s)
 
+    def received(self, req_ids: Iterable[str]) -> None:
+        """vLLM learned these requests' asynchronous loads are done (finished_recving): their wait
+        outside the batch is counted (async_wait_seconds / async_waits)."""
+        now = time.monotonic()
+        for req_id in req_ids:
+            r = self._reqs.get(req_id)
+            if r is not None and r.async_since is not None:
+                self.stats.async_wait_seconds += now - r.async_since
+                self.stats.async_waits += 1
+                r.async_since = None
+
     def wants_async(self, req_id: str) -> bool:
         """Whether the request's last lookup chose to load asynchronously."""
         r = self._reqs.get(req_id)
@@ -285,6 +297,7 @@ class HitPlanning:
             self.stats.hit_tokens += num_external_tokens
             if async_load:
                 self.stats.async_hit_tokens += num_external_tokens
+                r.async_since = time.monotonic()
         if num_external_tokens <= 0 or r.hit_chunks == 0:
             return
         first = r.local_computed // self.chunk_tokens

@@ -39,6 +39,10 @@ class PlannerStats:
     declined_unmeasured_tokens: int = 0  # no read rate measured yet: one load measures it, the rest wait
     declined_budget_tokens: int = 0  # past the step's byte budget (layer-wise loads)
     declined_state_tokens: int = 0  # a hybrid hit must end on a chunk whose state is stored
+    # asynchronous hits: seconds from allocation to vLLM learning their loads were received (the
+    # wait outside the batch), summed, and how many (their mean: the wait a hit adds to its TTFT)
+    async_wait_seconds: float = 0.0
+    async_waits: int = 0
 
     def since(self, earlier: "PlannerStats") -> dict[str, float]:
         """Counters accumulated since `earlier` (a copy taken before), without resetting: the
@@ -56,6 +60,7 @@ class RequestState:
     keys: list[bytes]
     block_ids: list[list[int]] = field(default_factory=lambda: [[]])  # per KV cache group
     local_computed: int = 0  # tokens vLLM's own prefix cache had, at the last lookup
+    async_since: float | None = None  # when an asynchronous hit's blocks were allocated (time.monotonic)
     hit_chunks: int = 0  # chunks found stored at the last lookup
     loads: list[LoadChunk] = field(default_factory=list)  # not yet sent to workers
     next_store_chunk: int = 0  # chunks below this were stored, skipped or loaded
