@@ -173,7 +173,7 @@ class TuttiConnectorV1(KVConnectorBase_V1):
             self._sched.on_report(meta.report)
         received = getattr(connector_output, "finished_recving", None)
         if self._sched is not None and received:
-            self._sched.planner.received(received)  # asynchronous hits vLLM may now schedule: their wait
+            self._sched.received(received)
 
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:

@@ -212,6 +212,10 @@ class SchedulerHalf:
         self.planner.on_report(report)
 
     @timed("_hooks")
+    def received(self, req_ids: Iterable[str]) -> None:
+        """vLLM's finished_recving: asynchronous hits it may now schedule (their wait is counted)."""
+        self.planner.received(req_ids)
+
     def request_finished(self, request: "Request") -> bool:
         self._requests.pop(request.request_id, None)
         self._events.drop_request(request.request_id)

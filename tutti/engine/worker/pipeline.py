@@ -385,7 +385,6 @@ class WorkerPipeline:
             pass
         return done, time.perf_counter() - t0
 
-
     def _probe_scratch(self, max_bytes: int, max_seconds: float) -> tuple[int, float]:
         """_probe_mapped for an empty root: a slot's bytes of host memory copied to the device, as
         a mapped load copies a chunk. Any error measures nothing (the start goes on)."""
