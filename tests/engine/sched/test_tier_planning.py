@@ -74,6 +74,35 @@ def test_a_chunk_tier_0_evicted_is_served_from_tier_1_then_promoted():
     assert [ld.tier for ld in p.build_step({"d": 1}, {"d": 128}).loads] == [0, 0]
 
 
+def test_promotions_yield_to_write_downs_waiting_or_in_flight():
+    """A promotion takes a drive read and a first-tier slot that only a clean chunk leaves; while
+    write-downs are queued or in flight the tier is short of both (bench/drive_sim.py: promoting
+    then served 2-7% less), so the hit's promotion is let go; once they are reported a hit's
+    chunk is promoted as before. Three slots: b's two chunks evict one of a's; a's other one is
+    clean, so the promotion has a slot to take."""
+    p = tiered(ram=3)
+    a = list(range(129))
+    stored(p, "a", a, [1, 2, 3, 4, 5])
+    plan_b = prefill(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])
+    p.on_report(WorkerReport(stored=[st.ticket for st in plan_b.stores]))
+    down = p.build_step({}, {})
+    assert [(c.src, c.dst) for c in down.copies] == [(0, 1), (0, 1)]  # b's write-downs, not reported yet
+
+    def hit(req, blocks):
+        n = p.match(req, a, 0)
+        p.on_alloc(req, blocks, n)
+        plan = p.build_step({req: 1}, {req: 128})
+        assert sorted(ld.tier for ld in plan.loads) == [0, 1]  # one of a's chunks from the drive
+        p.on_report(WorkerReport(steps_done=[plan.step]))
+        copies = p.build_step({}, {}).copies
+        p.finished(req)
+        return copies
+
+    assert hit("c", [11, 12, 13, 14, 15]) == [] and p.tier_stats.promotions == 0  # let go
+    p.on_report(WorkerReport(stored=[c.ticket for c in down.copies]))  # the write-downs are done
+    assert [(c.src, c.dst) for c in hit("d", [16, 17, 18, 19, 20])] == [(1, 0)]
+
+
 def test_with_promote_off_a_hit_from_below_stays_below():
     """`promote: off`: the first tier is left to new chunks; a hit from tier 1 is loaded from there
     again (the control is the test above: the same hit, promoted)."""

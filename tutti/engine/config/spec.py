@@ -192,7 +192,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         choice(("through", "back"), "how chunks reach the lower tiers")),
     Key("promote", "tuning", "\"hits\" or \"off\"",
         "With tiers: \"hits\" copies a chunk a hit loaded from a lower tier up into the first when admission "
-        "agrees (another server's chunk too); \"off\" leaves the first tier to new chunks: the chunk a hit "
+        "agrees (another server's chunk too) and no write-down is waiting; \"off\" leaves the first tier to new chunks: the chunk a hit "
         "loaded is in vLLM's GPU cache by then, so its copy in RAM serves only once vLLM evicts it "
         "(bench/drive_sim.py's model serves a few percent more without; an H200 serving run served the same "
         "either way: results/tiers.md).", "hits",

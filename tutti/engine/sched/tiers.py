@@ -14,7 +14,9 @@ restart's backlog: reconcile_tiers), and it is kept: a new store that finds noth
 the evicting end is declined (counted), never a stored chunk lost; one whose write-down failed
 may go. Under "back" a dirty chunk it must give up anyway is counted as dropped. A chunk a hit
 loaded from a lower tier is copied up into tier 0 when tier 0's admission agrees (a promotion),
-only ever in place of a chunk a tier below holds. A hit on another writer's chunk (followed in the last tier's roots: replicas with private
+only ever in place of a chunk a tier below holds, and only while no write-down is queued or in
+flight (promotions yield to write-downs: in bench/drive_sim.py's model of the 70B-class tiers,
+promoting regardless served 2-7% less). A hit on another writer's chunk (followed in the last tier's roots: replicas with private
 RAM tiers over one shared drive) is promoted the same way, into this writer's tier 0
 ("borrowed": its owner holds it below, so it is never written down and never counted dropped).
 
@@ -184,6 +186,11 @@ class TierPlanning:
                 self._down = down[n:]  # their turn comes as copies are reported
                 break
             self._plan_copy(plan, key, src, src + 1)
+        if self._down or any(self._down_in_flight):
+            # promotions yield to write-downs: a promotion reads the drive and takes a slot only a
+            # clean chunk leaves, both short while chunks wait for their write-down (new stores
+            # were declined for it); the hit's chunk is in vLLM's GPU cache anyway, so it is let go
+            up = []
         for key, src, source, slot in dict.fromkeys(up):
             if key in self.index or self.index.is_pending(key):
                 continue
