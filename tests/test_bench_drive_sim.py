@@ -62,9 +62,10 @@ def test_a_front_share_writes_only_the_front_of_every_prompt(tmp_path):
 
 def test_the_tiers_in_the_model_serve_from_both_tiers_and_promote_only_when_asked(tmp_path):
     """--stores: a RAM tier in front of the drive (the real planner's copies between them), a RAM
-    root alone, and the tiers with promotions off; the RAM alone holds a fifth of the working set."""
+    root alone, and the tiers with promotions off; the RAM alone holds a fifth of the working set.
+    A drive of 6.4 GB/s: slower ones keep write-downs waiting all run, and promotions yield to them."""
     out = tmp_path / "tiers.json"
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "drive_sim.py"), "--drive-gbps", "1.6", "--seeds", "1",
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "drive_sim.py"), "--drive-gbps", "6.4", "--seeds", "1",
                     "--num-prefixes", "12", "--repeats", "3", "--admissions", "all", "--gpu-cache-chunks", "40",
                     "--stores", "disk,ram,tiered,tiered_nopromo", "--ram-chunks", "40", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
