@@ -216,6 +216,7 @@ class SchedulerHalf:
         """vLLM's finished_recving: asynchronous hits it may now schedule (their wait is counted)."""
         self.planner.received(req_ids)
 
+    @timed("_hooks")
     def request_finished(self, request: "Request") -> bool:
         self._requests.pop(request.request_id, None)
         self._events.drop_request(request.request_id)
