@@ -74,7 +74,7 @@ class HitPlanning:
         batch = sum(1 for other in self._batch_ids if other != req_id and other in self._reqs)
         take = self._choose(found, len(tokens) - num_computed_tokens, max_load_tokens, context=num_computed_tokens,
                             batch=batch)
-        if self.lower and any(t for _, _, t in r.hit_sources):  # a hit reaching into a lower tier
+        if self._reaches_lower(r):
             take = self._tiered_take(r, take, found, len(tokens) - num_computed_tokens, max_load_tokens,
                                      num_computed_tokens, batch)
         chosen, reason = take, getattr(self.hit_policy, "last_reason", "rate")
@@ -164,7 +164,7 @@ class HitPlanning:
                 if self._queued_load_bytes():
                     free = self._choose(found, prompt, max_load_tokens, asynchronous=asynchronous, context=context,
                                         batch=batch, queued=0)
-                    if self.lower and any(t for _, _, t in r.hit_sources):  # priced per tier, as chosen
+                    if self._reaches_lower(r):  # priced per tier, as chosen
                         free = self._tiered_take(r, free, found, prompt, max_load_tokens, context, batch, queued=0)
                     free = max(chosen, free)
                 if free > chosen:
@@ -186,10 +186,19 @@ class HitPlanning:
         return self._unsent_load_bytes + sum(self._step_load_bytes.values())
 
     def _queue_load(self, ld: LoadChunk) -> None:
-        n = self._load_bytes(ld)
-        self._unsent_load_bytes += n
-        if ld.tier:
-            self._unsent_lower_bytes += n
+        total, lower = self._loads_bytes((ld,))
+        self._unsent_load_bytes += total
+        self._unsent_lower_bytes += lower
+
+    def _loads_bytes(self, loads: Sequence[LoadChunk]) -> tuple[int, int]:
+        """(bytes, of those the lower tiers') the loads write: what they add to the queues."""
+        total = lower = 0
+        for ld in loads:
+            n = self._load_bytes(ld)
+            total += n
+            if ld.tier:
+                lower += n
+        return total, lower
 
     def sync_budget_bytes(self, step_s: float = 0.0) -> float | None:
         """The bytes one step may load layer-wise now (None: no budget, or not measured yet); "auto":

@@ -52,8 +52,9 @@ class StepPlanning:
         return [b for gi, g in enumerate(r.block_ids) if gi not in self.state_groups for b in g[c * bpc:(c + 1) * bpc]]
 
     def _drop_unsent(self, loads: Sequence[LoadChunk]) -> None:
-        self._unsent_load_bytes = max(0, self._unsent_load_bytes - sum(self._load_bytes(ld) for ld in loads))
-        self._unsent_lower_bytes = max(0, self._unsent_lower_bytes - sum(self._load_bytes(ld) for ld in loads if ld.tier))
+        total, lower = self._loads_bytes(loads)
+        self._unsent_load_bytes = max(0, self._unsent_load_bytes - total)
+        self._unsent_lower_bytes = max(0, self._unsent_lower_bytes - lower)
 
     # -- per step -------------------------------------------------------------------------
     def update_request(self, req_id: str, *, new_block_ids: Sequence[int] = (), tokens: Sequence[int] | None = None,
@@ -209,8 +210,8 @@ class StepPlanning:
     def _sent(self, step: int, loads: Sequence[LoadChunk]) -> None:
         """These loads went out with `step`: queued until every worker reports the step done."""
         self._drop_unsent(loads)
-        self._step_load_bytes[step] = self._step_load_bytes.get(step, 0) + sum(self._load_bytes(ld) for ld in loads)
-        lower = sum(self._load_bytes(ld) for ld in loads if ld.tier)
+        total, lower = self._loads_bytes(loads)
+        self._step_load_bytes[step] = self._step_load_bytes.get(step, 0) + total
         if lower:
             self._step_lower_bytes[step] = self._step_lower_bytes.get(step, 0) + lower
 

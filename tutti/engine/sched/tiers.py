@@ -16,9 +16,10 @@ may go. Under "back" a dirty chunk it must give up anyway is counted as dropped.
 loaded from a lower tier is copied up into tier 0 when tier 0's admission agrees (a promotion),
 only ever in place of a chunk a tier below holds, and only while no write-down is queued or in
 flight (promotions yield to write-downs: in bench/drive_sim.py's model of the 70B-class tiers,
-promoting regardless served 2-7% less). A hit on another writer's chunk (followed in the last tier's roots: replicas with private
-RAM tiers over one shared drive) is promoted the same way, into this writer's tier 0
-("borrowed": its owner holds it below, so it is never written down and never counted dropped).
+promoting regardless served up to 7% less). A hit on another writer's chunk (followed in the last
+tier's roots: replicas with private RAM tiers over one shared drive) is promoted the same way,
+into this writer's tier 0 ("borrowed": its owner holds it below, so it is never written down and
+never counted dropped).
 
 The source of a copy is pinned until the copy is reported, so a chunk is never evicted while its
 write-down is in flight; write-downs in flight are bounded (DOWN_IN_FLIGHT), so a drive slower
@@ -120,6 +121,10 @@ class TierPlanning:
             self._unwritable.difference_update(keys)
 
     # -- pricing a hit across tiers -------------------------------------------------------
+    def _reaches_lower(self, r) -> bool:
+        """The request's hit, as found, takes a chunk from a tier below the first."""
+        return bool(self.lower) and any(t for _, _, t in r.hit_sources)
+
     def _tiered_take(self, r, take: int, found: int, prompt: int, max_load: int | None, computed: int,
                      batch: int, queued: int | None = None) -> int:
         """The tokens to load of a hit that reaches into a lower tier: its leading run in the first
