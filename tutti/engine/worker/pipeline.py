@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import os
 import time
 from typing import Callable, Sequence
@@ -358,21 +359,25 @@ class WorkerPipeline:
         recomputing the rest. An empty root copies a scratch buffer of host memory of the kind
         its mapping is (pinned on CUDA, as map_all pins the slabs) instead: RAM's rate does not
         depend on what is stored, and a fresh server's first burst of hits then loads at once
-        rather than one hit at a time (on the H200 6-15k hit tokens of each serving run were
-        recomputed that way, `vllm:tutti_declined_hit_tokens_by_reason{reason="unmeasured"}`)."""
+        rather than one hit at a time (6-15k hit tokens of each `scripts/gpu_tiers.sh` serving run in
+        results/tiers.md were recomputed that way, `vllm:tutti_declined_hit_tokens_by_reason{reason=
+        "unmeasured"}`). The copies are timed, not the buffers' allocation."""
         ctx, store = self.ctx, self.store
         try:
             slots = sorted(store.entries())
         except Exception:  # noqa: BLE001 - a store that cannot list its chunks: nothing to measure
             return 0, 0.0
-        if not slots:
-            return self._probe_scratch(min(max_bytes, 256 << 20), max_seconds)
         nbytes = store.slot_bytes
         done, t0 = 0, time.perf_counter()
         try:
             dst = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
-            for s in slots:
-                src = store.mapped(s, 0, nbytes)
+            if slots:
+                sources = (store.mapped(s, 0, nbytes) for s in slots)
+            else:  # a few dozen copies at most: start-up stays short
+                max_bytes = min(max_bytes, 64 * nbytes, 256 << 20)
+                sources = itertools.repeat(torch.empty(nbytes, dtype=torch.uint8, pin_memory=ctx.cuda))
+            t0 = time.perf_counter()
+            for src in sources:
                 if src is None:
                     continue
                 dst.copy_(src, non_blocking=True)
@@ -383,26 +388,6 @@ class WorkerPipeline:
                 torch.cuda.synchronize(ctx.device)  # start-up: waiting here costs no step
         except Exception:  # noqa: BLE001 - never fails the start
             pass
-        return done, time.perf_counter() - t0
-
-    def _probe_scratch(self, max_bytes: int, max_seconds: float) -> tuple[int, float]:
-        """_probe_mapped for an empty root: a slot's bytes of host memory copied to the device, as
-        a mapped load copies a chunk. Any error measures nothing (the start goes on)."""
-        ctx, nbytes = self.ctx, self.store.slot_bytes
-        done, t0 = 0, time.perf_counter()
-        try:
-            src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=ctx.cuda)
-            dst = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
-            t0 = time.perf_counter()
-            for _ in range(max(1, min(64, max_bytes // nbytes))):  # a few dozen copies at most: start-up stays short
-                dst.copy_(src, non_blocking=True)
-                done += nbytes
-                if time.perf_counter() - t0 >= max_seconds:
-                    break
-            if ctx.cuda:
-                torch.cuda.synchronize(ctx.device)  # start-up: waiting here costs no step
-        except Exception:  # noqa: BLE001 - never fails the start
-            return 0, 0.0
         return done, time.perf_counter() - t0
 
     def probe_read_rate(self, max_bytes: int = 1 << 30, max_seconds: float = 1.0, store=None) -> tuple[int, float]:
