@@ -32,9 +32,9 @@ case "${1:-}" in
   5) cases=tutti_tiered,tutti_tiered_nopromo; workload=prefix_repetition ;;
   6) cases=none,offloading,tutti_shm; workload=prefix_repetition; COMMON="$COMMON --capacity 32GiB" ;;
   7) cases=none,offloading,tutti_tiered; workload=zipf; COMMON="$COMMON --capacity 32GiB" ;;
-  9) cases=tier_fs,tutti_tiered; workload=prefix_repetition ;;
   8) cases=none,tutti_disk,tutti_tiered; workload=prefix_repetition
      COMMON="$COMMON --geometry 8b --num-prefixes 48 --prefix-len 4096 --kv-cache-bytes 8589934592" ;;
+  9) cases=tier_fs,tutti_tiered; workload=prefix_repetition ;;
   proof) exec timeout 560 python3 scripts/gpu_kv_proof.py --cases tiered --out "$OUT/kv_proof_tiered" ;;
   *) echo "usage: $0 1|2|3|4|5|6|7|8|9|proof" >&2; exit 2 ;;
 esac
