@@ -16,9 +16,9 @@ figures everywhere. It is a model: it says which policy to measure on a GPU, not
 `--stores` compares where chunks live: "disk" (one root on the drive, the default), "ram" (one
 RAM root of `--ram-chunks`, read and written at `--ram-gbps`), "tiered", "tiered_back" and
 "tiered_nopromo" (that RAM in front of the drive, `tiers` with write_policy "through", "back", or
-"through" with `promote: off`: the real planner's copies
-down and promotions up, which take drive time behind the hits' reads as the worker's copier
-does; steps that read the drive report their rate apart, as the worker does):
+"through" with `promote: off`: the real planner's copies down and promotions up, which take drive
+time behind the hits' reads as the worker's copier does; steps that read the drive report their
+rate apart, as the worker does):
 
     python3 bench/drive_sim.py --stores disk,ram,tiered --ram-chunks 409 --capacity-chunks 1638 \
         --bytes-per-token 81920 --prefill-tps 12000 --num-prefixes 32 --prefix-len 8192 --gpu-cache-chunks 204
@@ -180,7 +180,7 @@ class FrontShare:
 
 
 def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
-    """One run; `stores`: where the store lives ("disk", "ram", "tiered", "tiered_back")."""
+    """One run; `stores`: where the store lives ("disk", "ram", "tiered", "tiered_back", "tiered_nopromo")."""
     clock = Clock()
     hit_policy_mod.time = clock  # the RateMeter's clock: the model's
     requests = workload(a, seed)
