@@ -77,7 +77,7 @@ def test_a_chunk_tier_0_evicted_is_served_from_tier_1_then_promoted():
 def test_promotions_yield_to_write_downs_waiting_or_in_flight():
     """A promotion takes a drive read and a first-tier slot that only a clean chunk leaves; while
     write-downs are queued or in flight the tier is short of both (bench/drive_sim.py: promoting
-    then served 2-7% less), so the hit's promotion is let go; once they are reported a hit's
+    then served up to 7% less), so the hit's promotion is let go; once they are reported a hit's
     chunk is promoted as before. Three slots: b's two chunks evict one of a's; a's other one is
     clean, so the promotion has a slot to take."""
     p = tiered(ram=3)
