@@ -16,7 +16,8 @@
 #   bash scripts/gpu_tiers.sh 9   # tier_fs, tutti_tiered alone (two servers, part 1's workload): tutti against
 #                                 # vLLM's pair when little device time is left
 #   bash scripts/gpu_tiers.sh proof   # scripts/gpu_kv_proof.py --cases tiered
-# Results land in $OUT (default /tmp/out): each part's serve_workload JSON and table.
+# Results land in $OUT (default /tmp/out): each part's serve_workload JSON and table. EXTRA adds arguments
+# to serve_workload (EXTRA="--profile-steps 200 --profile-delay 400" traces each server's steps).
 # (.gpu/setup.sh and .gpu/env.sh, where the checkout has them, set up that environment first.)
 set -u
 if [ -f .gpu/setup.sh ]; then bash .gpu/setup.sh >/dev/null && . .gpu/env.sh || exit 1; fi
@@ -44,8 +45,8 @@ mkdir -p /tmp/tutti-disk-probe
   dd if=/tmp/tutti-disk-probe/f of=/dev/null bs=16M iflag=direct 2>&1 | tail -1 | sed 's/^/read: /'
 } | tee "$OUT/disk_probe_${1}.txt"
 rm -rf /tmp/tutti-disk-probe
-# shellcheck disable=SC2086 # COMMON is a list of arguments
-timeout 570 python3 bench/serve_workload.py --out "$OUT/tiers_${1}_${workload}" --cases "$cases" --workload "$workload" $COMMON
+# shellcheck disable=SC2086 # COMMON and EXTRA are lists of arguments
+timeout 570 python3 bench/serve_workload.py --out "$OUT/tiers_${1}_${workload}" --cases "$cases" --workload "$workload" $COMMON ${EXTRA:-}
 status=$?
 cp "$OUT/tiers_${1}_${workload}"/*.json "$OUT/tiers_${1}_${workload}"/*.md "$OUT"/ 2>/dev/null
 exit $status
