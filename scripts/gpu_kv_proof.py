@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import sys
@@ -282,23 +283,27 @@ def _where_bytes_differ(w, slot: int, layer: int, ref) -> dict:
 
 def rpc_damage(self, label: str, n_chunks: int, layer: int) -> list[str]:
     """Flip the first 4 KiB of one layer's segment in `n_chunks` of the chunks the load `label`
-    read (the 3rd, then every 7th), through the file: what a bad disk or another program would do."""
+    read (the 3rd, then every 7th), through the file: what a bad disk or another program would do.
+    Every tier holding such a chunk gets the same damage, so the next load fails it wherever it
+    reads it from (a tiered hit may come from the disk tier or from a copy promoted into RAM)."""
     w = _tutti(self)
     w.flush()
-    store = w.ctx.store
     wanted = set(w._probe["loaded"][label][2::7][:n_chunks])
-    slots = [s for s, (key, _) in sorted(w.journal._entries.items()) if key in wanted]
-    keys = []
-    for s in slots:
-        key = w.journal._entries[s][0]
-        fd, off = store.acquire(s, layer)
-        try:
-            data = bytearray(os.pread(fd, 4096, off))
-            os.pwrite(fd, bytes(b ^ 0x5A for b in data), off)
-        finally:
-            store.release(s)
-        keys.append(key.hex()[:16])
-    return keys
+    keys = set()
+    for store, journal in [(w.ctx.store, w.journal), *w.ctx.lower]:
+        for s, (key, _) in sorted(journal._entries.items()):
+            if key not in wanted:
+                continue
+            fd, off = store.acquire(s, layer)
+            try:  # through a page-aligned buffer: a disk tier's files may be open with O_DIRECT
+                buf = mmap.mmap(-1, 4096)
+                os.preadv(fd, [buf], off)
+                buf[:] = bytes(b ^ 0x5A for b in buf[:])
+                os.pwritev(fd, [buf], off)
+            finally:
+                store.release(s)
+            keys.add(key.hex()[:16])
+    return sorted(keys)
 
 
 def rpc_scramble_store(self, keys_hex: list[str] | None = None) -> int:
@@ -475,7 +480,7 @@ def run_case(case: str, a) -> dict:
     toks, cached, dt = gen(p)
     cmp = rpc(rpc_compare)
     out["damaged_store"] = {"damaged": damaged, "failed": cmp["failed"], "exactly_those_failed":
-                            sorted(damaged) == sorted(cmp["failed"]), "tokens_equal": toks == ref_toks,
+                            bool(damaged) and sorted(damaged) == sorted(cmp["failed"]), "tokens_equal": toks == ref_toks,
                             "cached": cached, "s": round(dt, 3), "blocks": cmp, "tokens": toks,
                             "first_tokens": ref_toks}
 

@@ -15,6 +15,7 @@
 #                                 # geometry: 48 prefixes of 4096 tokens (24 GiB), vLLM's GPU KV 8 GiB
 #   bash scripts/gpu_tiers.sh 9   # tier_fs, tutti_tiered alone (two servers, part 1's workload): tutti against
 #                                 # vLLM's pair when little device time is left
+#   bash scripts/gpu_tiers.sh 10  # part 9's cases on Zipf popularity
 #   bash scripts/gpu_tiers.sh proof   # scripts/gpu_kv_proof.py --cases tiered
 # Results land in $OUT (default /tmp/out): each part's serve_workload JSON and table. EXTRA adds arguments
 # to serve_workload (EXTRA="--profile-steps 200 --profile-delay 400" traces each server's steps).
@@ -36,8 +37,9 @@ case "${1:-}" in
   8) cases=none,tutti_disk,tutti_tiered; workload=prefix_repetition
      COMMON="$COMMON --geometry 8b --num-prefixes 48 --prefix-len 4096 --kv-cache-bytes 8589934592" ;;
   9) cases=tier_fs,tutti_tiered; workload=prefix_repetition ;;
+  10) cases=tier_fs,tutti_tiered; workload=zipf ;;
   proof) exec timeout 560 python3 scripts/gpu_kv_proof.py --cases tiered --out "$OUT/kv_proof_tiered" ;;
-  *) echo "usage: $0 1|2|3|4|5|6|7|8|9|proof" >&2; exit 2 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|7|8|9|10|proof" >&2; exit 2 ;;
 esac
 # the disk's rates of the day (4 GiB, O_DIRECT, one request at a time): the bound every disk case works under
 mkdir -p /tmp/tutti-disk-probe
