@@ -362,7 +362,7 @@ def bench_cmd(a, model: str, result_dir: str, dataset: str | None, port: int) ->
            "--base-url", f"http://127.0.0.1:{port}", "--model", model, "--tokenizer", model,
            "--max-concurrency", str(a.concurrency), "--ignore-eos", "--save-result", "--result-dir", result_dir,
            "--result-filename", "result.json", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-           "--metric-percentiles", "50,99"]
+           "--metric-percentiles", "50,99", "--save-detailed"]
     if a.workload == "prefix_repetition":
         cmd += ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(a.prefix_len),
                 "--prefix-repetition-suffix-len", str(a.suffix_len), "--prefix-repetition-num-prefixes",
@@ -516,6 +516,7 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
         res.update({k: r.get(k) for k in ("completed", "request_throughput", "output_throughput", "mean_ttft_ms",
                                           "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
                                           "mean_e2el_ms", "duration")})
+        res.update(request_ttfts(r))
         res["metrics"] = {k: after[k] - before[k] for k in after}  # METRICS, and the declined tokens by reason
         res["disk"] = disk_delta(disk_before, disk_after, r.get("duration"))
         if res["disk"] is not None:
@@ -523,6 +524,20 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
     except Exception as exc:  # noqa: BLE001 - one case's failure is reported, the others still run
         res["error"] = repr(exc)[-2000:]
     return res
+
+
+def request_ttfts(r: dict) -> dict:
+    """Each request's TTFT in ms, in the order the client sent them (where its vLLM records send
+    times), and the p90: the tail the summary's mean, p50 and p99 leave out (`--save-detailed`)."""
+    ttfts = r.get("ttfts") or []
+    starts = r.get("start_times") or []
+    starts = starts if len(starts) == len(ttfts) else list(range(len(ttfts)))
+    ms = [round(t * 1000, 1) for _, t in sorted(zip(starts, ttfts), key=lambda p: p[0])
+          if isinstance(t, (int, float)) and t > 0]  # a failed request has no first token
+    if not ms:
+        return {}
+    srt = sorted(ms)
+    return {"ttfts_ms": ms, "p90_ttft_ms": srt[min(len(srt) - 1, int(0.9 * len(srt)))]}
 
 
 def tier_cell(m: dict) -> str:

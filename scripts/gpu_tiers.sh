@@ -2,6 +2,7 @@
 # The tiers comparison (results/tiers.md) on one H200 under vLLM 0.26, in parts of under ten
 # minutes each: three 70B-class servers at a time (gpu util 0.31 each), 8 GiB of RAM
 # for every case, a 32 GiB disk, 32 prefixes of 8192 tokens (a 20 GiB working set), 4 sends each.
+# On an 80 GB card two such servers do not fit together: EXTRA=--sequential runs them one at a time.
 #   bash scripts/gpu_tiers.sh 1   # none, tier_fs (vLLM CPU + fs), tutti_tiered       prefix repetition
 #   bash scripts/gpu_tiers.sh 2   # offloading (CPU 8 GiB), tier_tutti, tutti_disk    prefix repetition
 #   bash scripts/gpu_tiers.sh 3   # part 1's cases, Zipf popularity

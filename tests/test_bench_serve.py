@@ -234,3 +234,13 @@ def test_wait_cell_is_a_hits_mean_wait_from_tuttis_or_vllms_counters():
     m = sw.parse_metrics('vllm:tutti_async_wait_seconds_total{engine="0"} 1.5\n'
                          'vllm:kv_offload_lookup_async_delay_seconds_count{engine="0"} 3.0\n')
     assert m["vllm:tutti_async_wait_seconds"] == 1.5 and m["vllm:kv_offload_lookup_async_delay_seconds_count"] == 3.0
+
+
+def test_request_ttfts_are_in_send_order_and_give_the_p90():
+    r = {"ttfts": [0.3, 0.1, 0.0, 2.0] + [0.2] * 6, "start_times": [3.0, 1.0, 2.0, 0.5] + [4.0 + i for i in range(6)]}
+    out = sw.request_ttfts(r)
+    assert out["ttfts_ms"][:3] == [2000.0, 100.0, 300.0]  # send order; the failed request (0.0) left out
+    assert len(out["ttfts_ms"]) == 9
+    assert out["p90_ttft_ms"] == 2000.0
+    assert sw.request_ttfts({"ttfts": [0.5, 0.25]})["ttfts_ms"] == [500.0, 250.0]  # no send times: as given
+    assert sw.request_ttfts({}) == {}
