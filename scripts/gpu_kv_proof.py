@@ -295,11 +295,12 @@ def rpc_damage(self, label: str, n_chunks: int, layer: int) -> list[str]:
             if key not in wanted:
                 continue
             fd, off = store.acquire(s, layer)
-            try:  # through a page-aligned buffer: a disk tier's files may be open with O_DIRECT
-                buf = mmap.mmap(-1, 4096)
-                os.preadv(fd, [buf], off)
-                buf[:] = bytes(b ^ 0x5A for b in buf[:])
-                os.pwritev(fd, [buf], off)
+            # through a page-aligned buffer: a disk tier's files may be open with O_DIRECT
+            try:
+                with mmap.mmap(-1, 4096) as buf:
+                    os.preadv(fd, [buf], off)
+                    buf[:] = bytes(b ^ 0x5A for b in buf[:])
+                    os.pwritev(fd, [buf], off)
             finally:
                 store.release(s)
             keys.add(key.hex()[:16])
@@ -479,8 +480,9 @@ def run_case(case: str, a) -> dict:
     fresh(5)
     toks, cached, dt = gen(p)
     cmp = rpc(rpc_compare)
-    out["damaged_store"] = {"damaged": damaged, "failed": cmp["failed"], "exactly_those_failed":
-                            bool(damaged) and sorted(damaged) == sorted(cmp["failed"]), "tokens_equal": toks == ref_toks,
+    out["damaged_store"] = {"damaged": damaged, "failed": cmp["failed"],  # nothing damaged proves nothing
+                            "exactly_those_failed": bool(damaged) and sorted(damaged) == sorted(cmp["failed"]),
+                            "tokens_equal": toks == ref_toks,
                             "cached": cached, "s": round(dt, 3), "blocks": cmp, "tokens": toks,
                             "first_tokens": ref_toks}
 
