@@ -139,6 +139,7 @@ def popularity_dataset(path: str, a) -> int:
     else:
         weights = [1.0 / (i + 1) ** a.zipf_s for i in range(a.num_prefixes)]
         order = rng.choices(range(a.num_prefixes), weights=weights, k=n)
+    a.prefix_order = order  # which prefix each request sends, in send order (ttft_by_send)
     with open(path, "w") as f:
         for i in order:
             suffix = " ".join(rng.choice(words) for _ in range(a.suffix_len))
@@ -517,6 +518,7 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
                                           "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
                                           "mean_e2el_ms", "duration")})
         res.update(request_ttfts(r))
+        res.update(ttft_by_send(res.get("ttfts_ms"), getattr(a, "prefix_order", None)))
         res["metrics"] = {k: after[k] - before[k] for k in after}  # METRICS, and the declined tokens by reason
         res["disk"] = disk_delta(disk_before, disk_after, r.get("duration"))
         if res["disk"] is not None:
@@ -527,17 +529,34 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
 
 
 def request_ttfts(r: dict) -> dict:
-    """Each request's TTFT in ms, in the order the client sent them (where its vLLM records send
-    times), and the p90: the tail the summary's mean, p50 and p99 leave out (`--save-detailed`)."""
-    ttfts = r.get("ttfts") or []
-    starts = r.get("start_times") or []
-    starts = starts if len(starts) == len(ttfts) else list(range(len(ttfts)))
-    ms = [round(t * 1000, 1) for _, t in sorted(zip(starts, ttfts), key=lambda p: p[0])
-          if isinstance(t, (int, float)) and t > 0]  # a failed request has no first token
-    if not ms:
+    """Each request's TTFT in ms (None: it failed), in the dataset's order, which is the order the
+    client sends them in, and the p90: the tail the summary's mean, p50 and p99 leave out
+    (`vllm bench serve --save-detailed`)."""
+    ms = [round(t * 1000, 1) if isinstance(t, (int, float)) and t > 0 else None for t in (r.get("ttfts") or [])]
+    srt = sorted(t for t in ms if t is not None)
+    if not srt:
         return {}
-    srt = sorted(ms)
     return {"ttfts_ms": ms, "p90_ttft_ms": srt[min(len(srt) - 1, int(0.9 * len(srt)))]}
+
+
+def ttft_by_send(ttfts_ms: list[float | None] | None, order: list[int] | None) -> dict:
+    """TTFT of each prefix's first send (nothing to hit but what is computed meanwhile) apart from
+    its repeats (the hits), for the datasets this module writes (`order`: the prefix of each
+    request, sent in that order): whether a case's tail comes from its hits or from its misses."""
+    if not ttfts_ms or not order or len(ttfts_ms) != len(order):
+        return {}
+    seen: set[int] = set()
+    first, repeat = [], []
+    for t, i in zip(ttfts_ms, order):
+        if t is not None:  # a failed request still was its prefix's first send
+            (repeat if i in seen else first).append(t)
+        seen.add(i)
+
+    def stats(xs: list[float]) -> dict:
+        srt = sorted(xs)
+        return {"n": len(xs), "mean": round(sum(xs) / len(xs), 1), "p50": srt[len(srt) // 2],
+                "p90": srt[min(len(srt) - 1, int(0.9 * len(srt)))]} if xs else {"n": 0}
+    return {"ttft_first_sends_ms": stats(first), "ttft_repeats_ms": stats(repeat)}
 
 
 def tier_cell(m: dict) -> str:
@@ -564,9 +583,21 @@ def disk_cell(d: dict | None) -> str:
     return "-" if not d else f"{d['read_gb']:.1f} / {d['write_gb']:.1f}, {100 * d['busy']:.0f}%"
 
 
+def ttft_cell(r: dict) -> str:
+    """TTFT mean / p50 / p90 / p99, then the means of first sends and repeats where the dataset
+    says which is which ("-" for what a run did not record)."""
+    p90 = r.get("p90_ttft_ms")
+    cell = (f"{r['mean_ttft_ms']:.0f} / {r['median_ttft_ms']:.0f} / {'-' if p90 is None else f'{p90:.0f}'} / "
+            f"{r['p99_ttft_ms']:.0f}")
+    first, rep = r.get("ttft_first_sends_ms", {}), r.get("ttft_repeats_ms", {})
+    if first.get("n") and rep.get("n"):
+        cell += f"; {first['mean']:.0f} / {rep['mean']:.0f}"
+    return cell
+
+
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["case"] == "none" and "error" not in r), None)
-    rows = ["| case | req/s | x none | TTFT mean / p50 / p99 (ms) | TPOT mean / p99 (ms) | hit tokens (connector) | "
+    rows = ["| case | req/s | x none | TTFT mean / p50 / p90 / p99 (ms); mean of first sends / repeats | TPOT mean / p99 (ms) | hit tokens (connector) | "
             "vLLM prefix-cache hits | stores skipped | tutti host s: worker hooks / threads' CPU (their waits, wall) / "
             "scheduler hooks | GIL held by tutti's threads | tiers: hit tokens 0 / 1, evictions 0 / 1, "
             "write-downs, promotions, dropped | disk: GB read / written, busy | a hit's wait outside the batch, "
@@ -580,8 +611,7 @@ def table(results: list[dict]) -> str:
         ratio = f"{r['request_throughput'] / base['request_throughput']:.2f}" if base and base['request_throughput'] else "-"
         hit = m["vllm:tutti_hit_tokens"] or m["vllm:external_prefix_cache_hits"]
         gil = f"{100 * tutti_share(r['gil']):.1f}%" if "gil" in r else "-"
-        rows.append(f"| {r['case']} | {r['request_throughput']:.2f} | {ratio} | {r['mean_ttft_ms']:.0f} / "
-                    f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
+        rows.append(f"| {r['case']} | {r['request_throughput']:.2f} | {ratio} | {ttft_cell(r)} | {r['mean_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
                     f"{hit:.0f} | {m['vllm:prefix_cache_hits']:.0f} | "
                     f"{m['vllm:tutti_skipped_stores']:.0f} | {m['vllm:tutti_worker_hook_seconds']:.2f} / "
                     f"{m['vllm:tutti_worker_thread_cpu_seconds']:.2f} ({m['vllm:tutti_worker_thread_wait_seconds']:.2f}) / "

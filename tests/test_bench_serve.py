@@ -3,6 +3,8 @@ prompts of more than about 6 characters a token) and the /metrics parser."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -236,11 +238,38 @@ def test_wait_cell_is_a_hits_mean_wait_from_tuttis_or_vllms_counters():
     assert m["vllm:tutti_async_wait_seconds"] == 1.5 and m["vllm:kv_offload_lookup_async_delay_seconds_count"] == 3.0
 
 
-def test_request_ttfts_are_in_send_order_and_give_the_p90():
-    r = {"ttfts": [0.3, 0.1, 0.0, 2.0] + [0.2] * 6, "start_times": [3.0, 1.0, 2.0, 0.5] + [4.0 + i for i in range(6)]}
-    out = sw.request_ttfts(r)
-    assert out["ttfts_ms"][:3] == [2000.0, 100.0, 300.0]  # send order; the failed request (0.0) left out
-    assert len(out["ttfts_ms"]) == 9
+def test_request_ttfts_keep_the_datasets_order_and_give_the_p90():
+    out = sw.request_ttfts({"ttfts": [0.3, 0.1, 0.0, 2.0] + [0.2] * 6})
+    assert out["ttfts_ms"][:4] == [300.0, 100.0, None, 2000.0]  # the failed request (0.0) kept as None
+    assert len(out["ttfts_ms"]) == 10
     assert out["p90_ttft_ms"] == 2000.0
-    assert sw.request_ttfts({"ttfts": [0.5, 0.25]})["ttfts_ms"] == [500.0, 250.0]  # no send times: as given
     assert sw.request_ttfts({}) == {}
+    assert sw.request_ttfts({"ttfts": [0.0]}) == {}
+
+
+def test_ttft_by_send_keeps_each_prefixs_first_send_apart_from_its_repeats():
+    out = sw.ttft_by_send([900.0, 800.0, 100.0, 700.0, 200.0, 300.0], [0, 1, 0, 2, 1, 0])
+    assert out["ttft_first_sends_ms"] == {"n": 3, "mean": 800.0, "p50": 800.0, "p90": 900.0}
+    assert out["ttft_repeats_ms"] == {"n": 3, "mean": 200.0, "p50": 200.0, "p90": 300.0}
+    assert sw.ttft_by_send([None, 5.0], [0, 0])["ttft_repeats_ms"]["n"] == 1  # a failed first send still was one
+    assert sw.ttft_by_send([1.0], [0, 1]) == {}  # lengths differ: nothing lines up
+    assert sw.ttft_by_send(None, [0]) == {}
+
+
+def test_the_popularity_dataset_records_which_prefix_each_request_sends(tmp_path):
+    a = argparse.Namespace(workload="zipf", num_prefixes=5, repeats=4, prefix_len=3, suffix_len=2,
+                           output_len=4, zipf_s=1.0, vocab=512)
+    n = sw.popularity_dataset(str(tmp_path / "z.jsonl"), a)
+    rows = [json.loads(x)["prompt"] for x in (tmp_path / "z.jsonl").read_text().splitlines()]
+    assert n == len(rows) == len(a.prefix_order) == 20
+    for row, i in zip(rows, a.prefix_order):  # the same prefix index, the same first words
+        j = a.prefix_order.index(i)
+        assert row.split()[:3] == rows[j].split()[:3]
+
+
+def test_the_ttft_cell_adds_the_p90_and_first_sends_against_repeats_where_recorded():
+    r = {"mean_ttft_ms": 596.2, "median_ttft_ms": 290.1, "p99_ttft_ms": 4158.0}
+    assert sw.ttft_cell(r) == "596 / 290 / - / 4158"
+    r.update({"p90_ttft_ms": 1500.0, "ttft_first_sends_ms": {"n": 30, "mean": 1800.4},
+              "ttft_repeats_ms": {"n": 98, "mean": 230.0}})
+    assert sw.ttft_cell(r) == "596 / 290 / 1500 / 4158; 1800 / 230"
