@@ -2,7 +2,8 @@
 # The tiers comparison (results/tiers.md) on one H200 under vLLM 0.26, in parts of under ten
 # minutes each: three 70B-class servers at a time (gpu util 0.31 each), 8 GiB of RAM
 # for every case, a 32 GiB disk, 32 prefixes of 8192 tokens (a 20 GiB working set), 4 sends each.
-# On an 80 GB card two such servers do not fit together: EXTRA=--sequential runs them one at a time.
+# On a card of less than about 100 GB two such servers do not fit together: there the servers of a
+# part run one at a time (--sequential, added by this script).
 #   bash scripts/gpu_tiers.sh 1   # none, tier_fs (vLLM CPU + fs), tutti_tiered       prefix repetition
 #   bash scripts/gpu_tiers.sh 2   # offloading (CPU 8 GiB), tier_tutti, tutti_disk    prefix repetition
 #   bash scripts/gpu_tiers.sh 3   # part 1's cases, Zipf popularity
@@ -42,6 +43,9 @@ case "${1:-}" in
   proof) exec timeout 560 python3 scripts/gpu_kv_proof.py --cases tiered --out "$OUT/kv_proof_tiered" ;;
   *) echo "usage: $0 1|2|3|4|5|6|7|8|9|10|proof" >&2; exit 2 ;;
 esac
+# two 70B-class servers (or three of the 8B geometry) need more than an 80 GB card holds
+mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+case " ${EXTRA:-} " in *" --sequential "*) ;; *) [ "${mem:-0}" -lt 100000 ] && EXTRA="${EXTRA:-} --sequential" ;; esac
 # the disk's rates of the day (4 GiB, O_DIRECT, one request at a time): the bound every disk case works under
 mkdir -p /tmp/tutti-disk-probe
 { dd if=/dev/zero of=/tmp/tutti-disk-probe/f bs=16M count=256 oflag=direct 2>&1 | tail -1 | sed 's/^/write: /'
