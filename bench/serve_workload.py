@@ -191,6 +191,9 @@ VARIANTS: dict[str, dict] = {
     "tutti_tiered_back": {"write_policy": "back"},
     # the tiers, never copying a hit from the disk tier back up (`promote: off`)
     "tutti_tiered_nopromo": {"promote": "off"},
+    # the tiers, copying a hit's disk-tier chunks up before it loads, the request holding no GPU
+    # blocks meanwhile (`promote: stage`)
+    "tutti_tiered_stage": {"promote": "stage"},
 }
 
 

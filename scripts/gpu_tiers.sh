@@ -18,6 +18,8 @@
 #   bash scripts/gpu_tiers.sh 9   # tier_fs, tutti_tiered alone (two servers, part 1's workload): tutti against
 #                                 # vLLM's pair when little device time is left
 #   bash scripts/gpu_tiers.sh 10  # part 9's cases on Zipf popularity
+#   bash scripts/gpu_tiers.sh 11  # tier_fs, tutti_tiered, tutti_tiered_stage (promote "stage"), prefix repetition
+#   bash scripts/gpu_tiers.sh 12  # part 11's cases on Zipf popularity
 #   bash scripts/gpu_tiers.sh proof   # scripts/gpu_kv_proof.py --cases tiered
 # Results land in $OUT (default /tmp/out): each part's serve_workload JSON and table. EXTRA adds arguments
 # to serve_workload (EXTRA="--profile-steps 200 --profile-delay 400" traces each server's steps).
@@ -40,12 +42,18 @@ case "${1:-}" in
      COMMON="$COMMON --geometry 8b --num-prefixes 48 --prefix-len 4096 --kv-cache-bytes 8589934592" ;;
   9) cases=tier_fs,tutti_tiered; workload=prefix_repetition ;;
   10) cases=tier_fs,tutti_tiered; workload=zipf ;;
+  11) cases=tier_fs,tutti_tiered,tutti_tiered_stage; workload=prefix_repetition; seq=1 ;;
+  12) cases=tier_fs,tutti_tiered,tutti_tiered_stage; workload=zipf; seq=1 ;;
   proof) exec timeout 560 python3 scripts/gpu_kv_proof.py --cases tiered --out "$OUT/kv_proof_tiered" ;;
-  *) echo "usage: $0 1|2|3|4|5|6|7|8|9|10|proof" >&2; exit 2 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|7|8|9|10|11|12|proof" >&2; exit 2 ;;
 esac
-# two 70B-class servers (or three of the 8B geometry) need more than an 80 GB card holds
+# two 70B-class servers (or three of the 8B geometry) need more than an 80 GB card holds; three
+# disk roots of 20-32 GiB (parts 11, 12) more than the 64 GiB disk: one server at a time there
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-case " ${EXTRA:-} " in *" --sequential "*) ;; *) [ "${mem:-0}" -lt 100000 ] && EXTRA="${EXTRA:-} --sequential" ;; esac
+case " ${EXTRA:-} " in
+  *" --sequential "*) ;;
+  *) if [ -n "${seq:-}" ] || [ "${mem:-0}" -lt 100000 ]; then EXTRA="${EXTRA:-} --sequential"; fi ;;
+esac
 # the disk's rates of the day (4 GiB, O_DIRECT, one request at a time): the bound every disk case works under
 mkdir -p /tmp/tutti-disk-probe
 { dd if=/dev/zero of=/tmp/tutti-disk-probe/f bs=16M count=256 oflag=direct 2>&1 | tail -1 | sed 's/^/write: /'

@@ -78,3 +78,27 @@ def test_a_corrupt_chunk_in_the_disk_tier_is_recomputed_and_dropped(tiny_model, 
     slabs[0].write_bytes(bytes(data))
     res, s = run(tiny_model, kvt, [[a]])
     assert s["loads_failed"] == 1 and res[0][0]["tokens"] == reference([a])[0], s
+
+
+def test_a_staged_hit_is_copied_up_first_then_loads_from_the_ram_tier(tiny_model, tmp_path, reference):
+    """promote "stage": the lookup of a hit held only on the disk tier answers "later" (the
+    request waits without GPU blocks) until its chunks are copied up; then it loads them from the
+    RAM tier, with recompute's tokens. The control: the same staged hit, its loads writing nothing."""
+    a, b = prompt(35, 300), prompt(36, 300)
+    kvt = tiered(tmp_path, ram_chunks=4)
+    kvt["kv_connector_extra_config"]["promote"] = "stage"
+    _, s1 = run(tiny_model, kvt, [[a], [b]])
+    assert s1["tier_evictions"][0] == 4 and s1["disk"] == 8, s1  # a's chunks: on the disk tier only
+    shutil.copytree(tmp_path / "ram", tmp_path / "ctl" / "ram")
+    shutil.copytree(tmp_path / "disk", tmp_path / "ctl" / "disk")
+    want = reference([a])[0]
+    res, s2 = run(tiny_model, kvt, [[a]])
+    assert res[0][0]["cached"] == 4 * CHUNK and res[0][0]["tokens"] == want, s2
+    assert s2["tier_staged_hits"] == 1 and s2["tier_promotions"] == 4, s2
+    assert s2["tier_hit_tokens"] == [4 * CHUNK, 0] and s2["loads_failed"] == 0, s2  # all of it from RAM
+    ctl_kvt = tiered(tmp_path / "ctl", ram_chunks=4)
+    ctl_kvt["kv_connector_extra_config"]["promote"] = "stage"
+    ctl = phases.run(tiny_model, tmp_path / "ctl", [a], connector=None, chunk=CHUNK, engine={}, drop="kv", tokens=8,
+                     kvt=ctl_kvt)
+    assert ctl.get("cached") == [4 * CHUNK], ctl.get("error")
+    assert ctl["tokens"][0] != want, "the tokens do not depend on the loaded KV"

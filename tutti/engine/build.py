@@ -130,7 +130,8 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
 
     lower = [LowerTier(ChunkIndex(check_capacity(cfg.tier(i), geom), get_eviction(cfg.tier(i).eviction_policy)),
                        cfg.tier(i).roots[0]) for i in range(1, 1 + len(cfg.tiers))]
-    planner = Planner(lower=lower, write_policy=cfg.write_policy, promote=cfg.promote == "hits",
+    planner = Planner(lower=lower, write_policy=cfg.write_policy, promote=cfg.promote in ("hits", "stage"),
+                      stage=cfg.promote == "stage",
                       num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
                       seed=geom.seed() if mac is None else mac.seed(geom.seed()), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
                       store_decode=cfg.store_decode, num_writers=geom.num_writers,

@@ -101,6 +101,9 @@ METRICS: tuple[MetricDef, ...] = (
               "Of the promotions, chunks another server wrote (read from its files in the shared tier)."),
     MetricDef("tier_dropped", "vllm:tutti_tier_dropped", COUNTER,
               "Write-downs that failed or found no room below: the chunk left the tier above unwritten."),
+    MetricDef("tier_staged_hits", "vllm:tutti_tier_staged_hits", COUNTER,
+              "Hits whose chunks in a lower tier were copied up into the first before they loaded, the "
+              "request waiting without GPU blocks (promote \"stage\")."),
     MetricDef("scheduler_hook_seconds", "vllm:tutti_scheduler_hook_seconds", COUNTER,
               "Seconds tutti's scheduler-side hooks took on the scheduler's thread (lookups, step plans, reports)."),
     MetricDef("scheduler_thread_cpu_seconds", "vllm:tutti_scheduler_thread_cpu_seconds", COUNTER,
@@ -199,10 +202,10 @@ class SchedulerStatsTracker:
         now = self._read(planner_stats)  # one C call for every field
         if tiers is not None:
             now = now + tuple(v for what in TIER_LISTS for v in getattr(tiers, what)) + (
-                tiers.promotions, tiers.borrowed, tiers.dropped)
+                tiers.promotions, tiers.borrowed, tiers.dropped, tiers.staged_hits)
             fields = SCHEDULER_FIELDS + tuple(f"tier{i}_{what}" for what in TIER_LISTS
                                               for i in range(len(getattr(tiers, what)))) + (
-                "tier_promotions", "tier_borrowed", "tier_dropped")
+                "tier_promotions", "tier_borrowed", "tier_dropped", "tier_staged_hits")
         else:
             fields = SCHEDULER_FIELDS
         if len(self._last) != len(now):

@@ -11,9 +11,9 @@ from tutti.engine.sched.tiers import LowerTier
 T, BS = 64, 32  # chunk tokens, vLLM block size: 2 blocks a chunk
 
 
-def tiered(ram=2, disk=8, workers=1):
+def tiered(ram=2, disk=8, workers=1, stage=False):
     return Planner(num_slots=ram, chunk_tokens=T, block_size=BS, seed=namespace_seed("t"), num_workers=workers,
-                   slot_bytes=4096, lower=[LowerTier(ChunkIndex(disk), "disk")])
+                   slot_bytes=4096, lower=[LowerTier(ChunkIndex(disk), "disk")], stage=stage)
 
 
 def prefill(p, req, tokens, blocks):
@@ -371,3 +371,68 @@ def test_a_promotion_never_evicts_a_chunk_no_tier_below_holds():
     up = p.build_step({}, {})
     assert [(c.key, c.src, c.dst) for c in up.copies] == [(other, 1, 0)] and keys[0] not in p.index
     assert keys[1] in p.index
+
+
+def test_a_staged_hit_waits_without_blocks_until_its_chunks_are_up_then_loads_from_the_first_tier():
+    """promote "stage": vLLM allocates no blocks for a lookup answered None, so the drive's read
+    holds no GPU memory idle; the copy up is the hit's promotion, and the hit loads from RAM."""
+    p = tiered(ram=2, stage=True)
+    a = list(range(129))
+    first, _ = stored(p, "a", a, [1, 2, 3, 4, 5])
+    stored(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])  # evicts a's chunks from tier 0
+    queried = p.stats.queried_tokens
+    assert p.match("c", a, 0) is None and p.tier_stats.staged_hits == 1
+    up = p.build_step({}, {})
+    assert [(c.src, c.dst) for c in up.copies] == [(1, 0), (1, 0)]
+    assert [c.key for c in up.copies] == [s.key for s in first.stores]
+    assert p.match("c", a, 0) is None  # the copies are still on their way
+    p.on_report(WorkerReport(stored=[c.ticket for c in up.copies]))
+    n = p.match("c", a, 0)
+    assert n == 2 * T and p.stats.queried_tokens == queried + len(a)  # one lookup counted, not three
+    p.on_alloc("c", [11, 12, 13, 14, 15], n)
+    plan = p.build_step({"c": 1}, {"c": 128})
+    assert [ld.tier for ld in plan.loads] == [0, 0]
+    assert p.tier_stats.hit_tokens == [2 * T, 0] and p.tier_stats.promotions == 2
+    assert p.build_step({}, {}).copies == []  # promoted once: nothing copied up again after the load
+
+
+def test_a_staged_copy_that_finds_no_room_leaves_the_hit_to_load_from_below():
+    """The first tier holds only chunks still waiting for their write-down: a staged copy may not
+    take their place, so the request is not kept waiting; it loads from the drive."""
+    p = tiered(ram=2, stage=True)
+    a = list(range(129))
+    stored(p, "a", a, [1, 2, 3, 4, 5])
+    b = prefill(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])
+    p.on_report(WorkerReport(stored=[s.ticket for s in b.stores]))  # b in tier 0, not yet written down
+    assert p.match("c", a, 0) is None
+    step = p.build_step({}, {})
+    assert [(c.src, c.dst) for c in step.copies] == [(0, 1), (0, 1)]  # b's write-downs only
+    n = p.match("c", a, 0)
+    assert n == 2 * T
+    p.on_alloc("c", [11, 12, 13, 14, 15], n)
+    assert [ld.tier for ld in p.build_step({"c": 1}, {"c": 128}).loads] == [1, 1]
+
+
+def test_a_staged_hit_waits_at_most_stage_wait_s(monkeypatch):
+    import tutti.engine.sched.tiers as tiers_mod
+
+    p = tiered(ram=2, stage=True)
+    a = list(range(129))
+    stored(p, "a", a, [1, 2, 3, 4, 5])
+    stored(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])
+    assert p.match("c", a, 0) is None
+    up = p.build_step({}, {})
+    assert len(up.copies) == 2  # planned, never reported: a copier far behind
+    monkeypatch.setattr(tiers_mod, "STAGE_WAIT_S", 0.0)
+    n = p.match("c", a, 0)
+    assert n == 2 * T  # loads from where the chunks are
+    p.on_alloc("c", [11, 12, 13, 14, 15], n)
+    assert [ld.tier for ld in p.build_step({"c": 1}, {"c": 128}).loads] == [1, 1]
+
+
+def test_without_stage_a_hit_from_below_is_answered_at_once():
+    p = tiered(ram=2)
+    a = list(range(129))
+    stored(p, "a", a, [1, 2, 3, 4, 5])
+    stored(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])
+    assert p.match("c", a, 0) == 2 * T and p.tier_stats.staged_hits == 0

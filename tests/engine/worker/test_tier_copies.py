@@ -130,6 +130,42 @@ def test_a_promotion_reads_the_drive_only_after_the_hits_reads_in_flight(tmp_pat
         w.close()
 
 
+def test_a_promotion_goes_ahead_of_the_write_downs_waiting(tmp_path, monkeypatch):
+    """A staged hit's request waits for its promotion (promote "stage"): the copier takes it before
+    every write-down not started yet, whichever step queued them; each copy still lands whole."""
+    import threading
+
+    caches = make_caches(8)
+    w = tiered(tmp_path, caches)
+    try:
+        keys = [bytes([65 + i]) * 32 for i in range(4)]
+        stores = [StoreChunk("r", k, i, (2 * i, 2 * i + 1), ticket=i + 1) for i, k in enumerate(keys)]
+        assert step(w, StepPlan(1, stores=stores)).stored == [1, 2, 3, 4]
+        assert step(w, StepPlan(2, copies=[CopyChunk(keys[0], 0, 0, 1, 10, ticket=5)])).stored == [5]
+        order, gate, real = [], threading.Event(), w.copier._copy
+
+        def gated(c):
+            order.append((c.src, c.dst))
+            if len(order) == 1:
+                gate.wait(10)  # the copier is busy with a write-down while the next step queues more
+            real(c)
+
+        monkeypatch.setattr(w.copier, "_copy", gated)
+        w.copier.submit([CopyChunk(keys[1], 0, 1, 1, 11, ticket=6), CopyChunk(keys[2], 0, 2, 1, 12, ticket=7)])
+        for _ in range(1000):
+            if order:
+                break
+            threading.Event().wait(0.01)
+        w.copier.submit([CopyChunk(keys[3], 0, 3, 1, 13, ticket=8), CopyChunk(keys[0], 1, 10, 0, 20, ticket=9)])
+        gate.set()
+        assert w.copier.flush(10)
+        assert order == [(0, 1), (1, 0), (0, 1), (0, 1)]
+        assert sorted(w.take_report().stored) == [6, 7, 8, 9]
+        assert w.journal.checksums(20, keys[0]) == w.ctx.lower[0][1].checksums(10, keys[0])
+    finally:
+        w.close()
+
+
 def test_a_copy_whose_source_is_gone_fails_alone(tmp_path):
     caches = make_caches(2)
     w = tiered(tmp_path, caches)

@@ -79,7 +79,8 @@ class EngineConfig:
     codec: str = "identity"  # how a segment's bytes are stored (tutti.codec); not "identity": a namespace of its own
     tiers: tuple[TierConfig, ...] = ()  # the tiers below the first (roots + capacity_bytes), fastest first
     write_policy: str = "through"
-    promote: str = "hits"  # with tiers: "hits" copies a chunk a hit loaded from below up into the first; "off" never
+    promote: str = "hits"  # with tiers: "hits" copies a chunk a hit loaded from below up into the first; "stage"
+    # copies it up before the hit loads (the request waits without GPU blocks); "off" never
     extra: Mapping[str, Any] = field(default_factory=dict)
     # the roots as given, before `{rank}` was expanded: for_rank() expands them again
     root_templates: tuple[str, ...] = field(default=(), compare=False, repr=False)

@@ -35,15 +35,23 @@ class HitPlanning:
         return r
 
     def match(self, req_id: str, tokens: Sequence[int], num_computed_tokens: int,
-              identity: Identity | None = None, max_load_tokens: int | None = None) -> int:
+              identity: Identity | None = None, max_load_tokens: int | None = None) -> int | None:
         """Tokens beyond `num_computed_tokens` to load: whole chunks the store holds, as many as
         the hit policy chooses (at most `max_load_tokens`, the request's own cap), and always at
         least one prompt token left for vLLM to compute. `identity(start, end)` gives the bytes
         of what else tokens [start, end) depend on (see tutti.engine.keys).
 
         A prompt ending exactly on a stored chunk's end (an exact repeat) may load that chunk too,
-        all but its last block (`_tail`): vLLM then computes block_size tokens instead of a chunk."""
+        all but its last block (`_tail`): vLLM then computes block_size tokens instead of a chunk.
+
+        None (promote "stage"): ask again later. The hit's chunks in a lower tier are being copied
+        up into the first; meanwhile the request waits without GPU blocks (tiers.py: `_begin_stage`)."""
         r = self._request(req_id, tokens, identity)
+        recount = True
+        if r.staging:
+            if self._stage_pending(r):
+                return None
+            r.staging, r.staged, recount = (), True, False  # its lookup was counted when staging began
         self._backlog -= r.in_backlog  # looked up again (it waited for room): not queued ahead of itself
         r.in_backlog = 0
         r.tail = False
@@ -60,7 +68,8 @@ class HitPlanning:
         hits = len(r.hit_sources)
         r.local_computed = num_computed_tokens
         r.hit_chunks = hits
-        self.stats.queried_tokens += len(tokens)
+        if recount:
+            self.stats.queried_tokens += len(tokens)
         hit_tokens = hits * self.chunk_tokens
         r.computed = num_computed_tokens
         r.declined = 0
@@ -126,6 +135,8 @@ class HitPlanning:
             return 0
         r.hit_chunks = (num_computed_tokens + take) // self.chunk_tokens
         r.computed = num_computed_tokens + take
+        if self.stage and not r.staged and self._begin_stage(r):
+            return None
         return take
 
     def _tail(self, r: RequestState, n_tokens: int, usable: int, end: int, max_load_tokens: int | None) -> int:

@@ -38,7 +38,8 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
                  step_tokens: int = 8192, asynchronous: bool = False, eviction=None,
                  admission: AdmissionPolicy | None = None, attention_weight: float = 0.0,
                  sync_budget: int | str | None = None, can_load_async: bool = False,
-                 lower: Sequence[LowerTier] = (), write_policy: str = "through", promote: bool = True) -> None:
+                 lower: Sequence[LowerTier] = (), write_policy: str = "through", promote: bool = True,
+                 stage: bool = False) -> None:
         if chunk_tokens % block_size:
             raise ValueError(
                 f"chunk_tokens={chunk_tokens}: must be a multiple of the KV cache's block_size={block_size}; "
@@ -51,6 +52,9 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
         self.lower: list[LowerTier] = list(lower)
         self.write_policy = write_policy
         self.promote = promote  # a hit from a lower tier is copied up into tier 0 (tiers.py)
+        # ... before it loads, the request waiting without GPU blocks (promote "stage": tiers.py)
+        self.stage = stage and bool(self.lower)
+        self._stage: list[tuple[bytes, int]] = []  # (key, tier) to copy up for a waiting request
         self.tier_stats = TierStats.new(1 + len(self.lower))
         # a full tier gives up chunks held below first: under "back" its dirty ones wait for
         # admission's verdict, under "through" for their write-down's turn (a drive slower than

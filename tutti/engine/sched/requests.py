@@ -81,6 +81,9 @@ class RequestState:
     load_async: bool = False  # the last lookup's hit goes asynchronously (past the step's sync budget)
     holed: bool = False  # a chunk's store failed or was skipped: no hit reaches its later chunks
     tail: bool = False  # the last lookup's hit reaches into the prompt's last chunk (all but its last block)
+    staging: tuple[bytes, ...] = ()  # promote "stage": its hit's lower-tier chunks being copied up first
+    staging_since: float = 0.0  # when they were asked for (time.monotonic)
+    staged: bool = False  # staged once already: the hit now loads from wherever its chunks are
 
 
 @dataclass

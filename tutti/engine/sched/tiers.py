@@ -31,6 +31,7 @@ withdrawn ("removed") when the last tier gives it up.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from tutti.engine.plan import CopyChunk, StepPlan
@@ -49,6 +50,9 @@ BACK_AHEAD = 1 / 16
 #: counted as dropped
 DOWN_IN_FLIGHT = 1 / 8
 DOWN_IN_FLIGHT_MIN = 16
+#: promote "stage": the longest a request waits for its hit's chunks to reach the first tier before
+#: it loads them from where they are (a copier far behind must not hold a request back for long)
+STAGE_WAIT_S = 5.0
 
 
 @dataclass
@@ -70,6 +74,7 @@ class TierStats:
     dropped: int = 0  # write-downs that failed or found no room below (the chunk left its tier unwritten)
     hit_bytes: list[int] = field(default_factory=list)  # bytes hits loaded from this tier
     borrowed: int = 0  # of the promotions, other writers' chunks (read from their files in the shared tier)
+    staged_hits: int = 0  # hits whose lower-tier chunks were copied up before they loaded (promote "stage")
 
     @classmethod
     def new(cls, n: int) -> "TierStats":
@@ -77,7 +82,7 @@ class TierStats:
 
     def copy(self) -> "TierStats":
         return TierStats(list(self.hit_tokens), list(self.evictions), list(self.writedowns), self.promotions,
-                         self.dropped, list(self.hit_bytes), self.borrowed)
+                         self.dropped, list(self.hit_bytes), self.borrowed, self.staged_hits)
 
 
 class TierPlanning:
@@ -150,6 +155,33 @@ class TierPlanning:
                             meter=self.lower_meter)
         return run + rest
 
+    # -- staging a hit (promote "stage") --------------------------------------------------
+    def _begin_stage(self, r) -> bool:
+        """Copy the hit's chunks held only below up into the first tier before it loads: vLLM
+        holds no GPU blocks for a request whose lookup says "later", where a hit that loaded from
+        the drive would hold them idle for the whole read (vLLM's own tiering does the same). The
+        copy is also the hit's promotion, so the drive is read once. True: wait for it."""
+        keys = []
+        for key, (source, _, tier) in zip(r.keys, r.hit_sources[:r.hit_chunks]):
+            if not tier or source is not None:  # (another writer's chunk loads from its files)
+                continue
+            if key not in self.index and not self.index.is_pending(key):
+                self._stage.append((key, tier))
+            keys.append(key)
+        r.staging, r.staging_since = tuple(keys), time.monotonic()
+        if keys:
+            self.tier_stats.staged_hits += 1
+        return bool(keys)
+
+    def _stage_pending(self, r) -> bool:
+        """Some of the request's staged chunks are still on their way up (queued or copying), and
+        it has waited less than STAGE_WAIT_S: a copy that found no room, failed or is late leaves
+        the chunk where it was, and the hit loads it from there."""
+        if time.monotonic() - r.staging_since > STAGE_WAIT_S:
+            return False
+        queued = {key for key, _ in self._stage}
+        return any(key in queued or self.index.is_pending(key) for key in r.staging)
+
     # -- planning copies ------------------------------------------------------------------
     def reconcile_tiers(self) -> int:
         """After a restart (the indexes rebuilt from the journals): with write_policy "through",
@@ -183,6 +215,11 @@ class TierPlanning:
         if self.write_policy == "back":
             for t in range(len(self.lower)):
                 self._clean_ahead(t)
+        # staged hits first: a request waits for them (only in place of a chunk a tier below holds)
+        stage, self._stage = list(dict.fromkeys(self._stage)), []
+        for key, src in stage:
+            if key not in self.index and not self.index.is_pending(key):
+                self._plan_copy(plan, key, src, 0)
         down, self._down = list(dict.fromkeys(self._down)), []
         up, self._up = self._up, []
         for n, (key, src) in enumerate(down):

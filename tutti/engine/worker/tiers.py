@@ -24,6 +24,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from typing import Sequence
 
 from tutti.engine.plan import CopyChunk
@@ -50,6 +51,9 @@ class TierCopier:
         self._view = memoryview(self._buf)[:slot_bytes]
         self._thread = Writer("tutti-tiers")
         self._lock = threading.Lock()
+        # copies not started yet: promotions (a request may be waiting for them) go before write-downs
+        self._up: deque[CopyChunk] = deque()
+        self._down: deque[CopyChunk] = deque()
         self.copied = [0] * len(self.stores)  # chunks copied into each tier
         self.failed = 0
 
@@ -58,11 +62,24 @@ class TierCopier:
         return self._thread.pending
 
     def submit(self, copies: Sequence[CopyChunk]) -> None:
-        """Queue the step's copies (the planner holds both slots until they are reported)."""
+        """Queue the step's copies (the planner holds both slots until they are reported). A
+        promotion goes ahead of every write-down not started yet: a staged hit's request waits for
+        it (promote "stage"), while a write-down done later only delays a later eviction."""
         for c in copies:
             self.journals[c.dst].drop(c.dst_slot)  # its old contents are gone from now on
-        if copies:
-            self._thread.submit(lambda cs=list(copies): self._run(cs))
+        with self._lock:
+            for c in copies:
+                (self._up if c.dst < c.src else self._down).append(c)
+        for _ in copies:
+            self._thread.submit(self._next)
+
+    def _next(self) -> None:
+        """Run the first copy waiting: a promotion if any, else the oldest write-down."""
+        with self._lock:
+            queue = self._up or self._down
+            c = queue.popleft() if queue else None
+        if c is not None:
+            self._run([c])
 
     def _run(self, copies: list[CopyChunk]) -> None:
         for c in copies:
