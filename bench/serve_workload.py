@@ -78,7 +78,7 @@ REASONS = ("rate", "queue", "unmeasured", "budget", "state")
 # counters with a `tier` label (tutti's tiers): kept apart per tier, as "NAME:TIER"
 BY_TIER = ("vllm:tutti_tier_hit_tokens", "vllm:tutti_tier_evictions", "vllm:tutti_tier_writedowns")
 TIERS = ("0", "1")
-TIER_TOTALS = ("vllm:tutti_tier_promotions", "vllm:tutti_tier_dropped")
+TIER_TOTALS = ("vllm:tutti_tier_promotions", "vllm:tutti_tier_dropped", "vllm:tutti_tier_staged_hits")
 
 
 def short_word(i: int) -> str:
@@ -569,7 +569,8 @@ def tier_cell(m: dict) -> str:
     g = lambda k: f"{m.get(k, 0):.0f}"  # noqa: E731
     return (f"{g('vllm:tutti_tier_hit_tokens:0')} / {g('vllm:tutti_tier_hit_tokens:1')}, "
             f"{g('vllm:tutti_tier_evictions:0')} / {g('vllm:tutti_tier_evictions:1')}, "
-            f"{g('vllm:tutti_tier_writedowns:1')}, {g('vllm:tutti_tier_promotions')}, {g('vllm:tutti_tier_dropped')}")
+            f"{g('vllm:tutti_tier_writedowns:1')}, {g('vllm:tutti_tier_promotions')}, {g('vllm:tutti_tier_dropped')}"
+            + (f" ({g('vllm:tutti_tier_staged_hits')} hits staged)" if m.get("vllm:tutti_tier_staged_hits") else ""))
 
 
 def wait_cell(m: dict) -> str:

@@ -273,3 +273,11 @@ def test_the_ttft_cell_adds_the_p90_and_first_sends_against_repeats_where_record
     r.update({"p90_ttft_ms": 1500.0, "ttft_first_sends_ms": {"n": 30, "mean": 1800.4},
               "ttft_repeats_ms": {"n": 98, "mean": 230.0}})
     assert sw.ttft_cell(r) == "596 / 290 / 1500 / 4158; 1800 / 230"
+
+
+def test_staged_hits_are_parsed_and_shown_in_the_tier_cell():
+    m = sw.parse_metrics('vllm:tutti_tier_hit_tokens_total{tier="0"} 544\n'
+                         'vllm:tutti_tier_staged_hits_total{engine="0"} 3\n')
+    assert m["vllm:tutti_tier_staged_hits"] == 3
+    assert sw.tier_cell(m).endswith("(3 hits staged)")
+    assert "staged" not in sw.tier_cell({**m, "vllm:tutti_tier_staged_hits": 0})
