@@ -436,3 +436,22 @@ def test_without_stage_a_hit_from_below_is_answered_at_once():
     stored(p, "a", a, [1, 2, 3, 4, 5])
     stored(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])
     assert p.match("c", a, 0) == 2 * T and p.tier_stats.staged_hits == 0
+
+
+def test_a_request_aborted_while_staged_leaves_no_pin_and_its_copies_still_serve_the_next():
+    """vLLM aborts a request whose lookup said "later": its copies go on (they are promotions like
+    any other), nothing stays pinned, and the next request with that prefix loads from tier 0."""
+    p = tiered(ram=2, stage=True)
+    a = list(range(129))
+    stored(p, "a", a, [1, 2, 3, 4, 5])
+    stored(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])
+    assert p.match("c", a, 0) is None
+    assert p.finished("c") is False and p._backlog == 0
+    up = p.build_step({}, {})
+    assert len(up.copies) == 2 and all(p.lower[0].index.is_pinned(c.key) for c in up.copies)
+    p.on_report(WorkerReport(stored=[c.ticket for c in up.copies]))
+    assert not any(p.lower[0].index.is_pinned(c.key) for c in up.copies)
+    n = p.match("d", a, 0)
+    assert n == 2 * T  # in tier 0 already: nothing to stage, answered at once
+    p.on_alloc("d", [11, 12, 13, 14, 15], n)
+    assert [ld.tier for ld in p.build_step({"d": 1}, {"d": 128}).loads] == [0, 0]
