@@ -455,3 +455,18 @@ def test_a_request_aborted_while_staged_leaves_no_pin_and_its_copies_still_serve
     assert n == 2 * T  # in tier 0 already: nothing to stage, answered at once
     p.on_alloc("d", [11, 12, 13, 14, 15], n)
     assert [ld.tier for ld in p.build_step({"d": 1}, {"d": 128}).loads] == [0, 0]
+
+
+def test_staged_copies_count_as_the_drives_queue_until_they_are_reported():
+    """With "stage" a hit's drive reads are its copies up: the next hit is priced behind them."""
+    p = tiered(ram=2, stage=True)
+    a = list(range(129))
+    stored(p, "a", a, [1, 2, 3, 4, 5])
+    stored(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])
+    assert p._queued_load_bytes(lower=True) == 0
+    assert p.match("c", a, 0) is None
+    assert p._queued_load_bytes(lower=True) == 2 * 4096  # queued to be copied
+    up = p.build_step({}, {})
+    assert p._queued_load_bytes(lower=True) == 2 * 4096  # copying
+    p.on_report(WorkerReport(stored=[c.ticket for c in up.copies]))
+    assert p._queued_load_bytes(lower=True) == 0

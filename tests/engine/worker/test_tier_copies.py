@@ -14,8 +14,8 @@ from worker_helpers import block_bytes, config, geometry, make_caches, run_step,
 pytestmark = pytest.mark.usefixtures("device")
 
 
-def tiered(tmp_path, caches, writer_id="", disk=None, first=None, **lower):
-    cfg = config(tmp_path / "ram", writer_id=writer_id)
+def tiered(tmp_path, caches, writer_id="", disk=None, first=None, top=None, **lower):
+    cfg = config(tmp_path / "ram", writer_id=writer_id, **(top or {}))
     cap = cfg.pop("capacity_bytes")
     del cfg["root"]
     cfg["tiers"] = [{"root": str(tmp_path / "ram"), "capacity_bytes": cap, **(first or {})},
@@ -162,6 +162,27 @@ def test_a_promotion_goes_ahead_of_the_write_downs_waiting(tmp_path, monkeypatch
         assert order == [(0, 1), (1, 0), (0, 1), (0, 1)]
         assert sorted(w.take_report().stored) == [6, 7, 8, 9]
         assert w.journal.checksums(20, keys[0]) == w.ctx.lower[0][1].checksums(10, keys[0])
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("promote", ["stage", "hits"])
+def test_with_stage_a_copy_up_reports_its_read_as_the_lower_tiers_rate(tmp_path, promote):
+    """promote "stage": hits read the drive through copies up, so those reads measure the rate the
+    planner prices lower-tier hits by; otherwise the loads alone measure it, as before."""
+    caches = make_caches(2)
+    w = tiered(tmp_path, caches, top={"promote": promote})
+    try:
+        key = b"s" * 32
+        assert step(w, StepPlan(1, stores=[StoreChunk("r", key, 5, (2, 3), ticket=1)])).stored == [1]
+        assert step(w, StepPlan(2, copies=[CopyChunk(key, 0, 5, 1, 9, ticket=2)])).stored == [2]
+        w.take_report()
+        rep = step(w, StepPlan(3, copies=[CopyChunk(key, 1, 9, 0, 7, ticket=3)]))
+        assert rep.stored == [3]
+        if promote == "stage":
+            assert rep.lower_rate_bytes == w.copier.slot_bytes and rep.lower_rate_seconds > 0
+        else:
+            assert rep.lower_rate_bytes == 0 and rep.lower_rate_seconds == 0
     finally:
         w.close()
 

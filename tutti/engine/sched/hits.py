@@ -192,8 +192,9 @@ class HitPlanning:
     def _queued_load_bytes(self, lower: bool = False) -> int:
         """Bytes of loads planned and not yet done: read before a new hit's (`lower`: only those
         from tiers below the first, which the drive reads apart from the RAM tier's)."""
-        if lower:
-            return self._unsent_lower_bytes + sum(self._step_lower_bytes.values())
+        if lower:  # with "stage", a hit's reads of the drive are its copies up
+            staged = (len(self._stage) + self._up_in_flight) * self.slot_bytes if self.stage else 0
+            return self._unsent_lower_bytes + sum(self._step_lower_bytes.values()) + staged
         return self._unsent_load_bytes + sum(self._step_load_bytes.values())
 
     def _queue_load(self, ld: LoadChunk) -> None:

@@ -55,6 +55,7 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
         # ... before it loads, the request waiting without GPU blocks (promote "stage": tiers.py)
         self.stage = stage and bool(self.lower)
         self._stage: list[tuple[bytes, int]] = []  # (key, tier) to copy up for a waiting request
+        self._up_in_flight = 0  # copies up (promotions) planned and not reported
         self.tier_stats = TierStats.new(1 + len(self.lower))
         # a full tier gives up chunks held below first: under "back" its dirty ones wait for
         # admission's verdict, under "through" for their write-down's turn (a drive slower than

@@ -310,6 +310,8 @@ class TierPlanning:
             s_index.pin([key])
         if dst > src:
             self._down_in_flight[src] += 1
+        else:
+            self._up_in_flight += 1
         ticket = next(self._ticket_ids)
         self._tickets[ticket] = StoreTicket(key, "", copy=(src, dst), borrowed=source is not None)
         plan.copies.append(CopyChunk(key, src, src_slot, dst, slot, ticket, source=source))
@@ -323,6 +325,8 @@ class TierPlanning:
             self.tier_index(src).unpin([tk.key])
         if dst > src:
             self._down_in_flight[src] -= 1
+        else:
+            self._up_in_flight -= 1
         d_index = self.tier_index(dst)
         if not ok:
             d_index.abort(tk.key)

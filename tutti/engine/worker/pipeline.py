@@ -139,7 +139,8 @@ class WorkerPipeline:
             if self.ctx.reads is None:  # copies down to a drive yield to the hits' reads from it
                 self.ctx.reads = ReadsFirst(READS_FIRST_BYTES)
             self.copier = TierCopier([store, *lower], [self.journal, *(j for _, j in self.ctx.lower)], self.counters,
-                                     slot_bytes=store.slot_bytes, reads=self.ctx.reads, foreign=foreign)
+                                     slot_bytes=store.slot_bytes, reads=self.ctx.reads, foreign=foreign,
+                                     measure_reads=getattr(self.ctx.cfg, "promote", "hits") == "stage")
         self.foreign = foreign  # tutti.engine.sharing.ForeignStores (other writers of the namespace)
         self.loads = LoadPipeline(self.ctx, ring, self.journal, self.counters, self._forget, foreign)
         self.async_loads = None

@@ -42,8 +42,11 @@ class TierCopier:
     tutti.io.queue.ReadsFirst (None: no drive shared with hits)."""
 
     def __init__(self, stores: Sequence, journals: Sequence, counters, *, slot_bytes: int, reads=None,
-                 slice_bytes: int = 4 << 20, foreign=None) -> None:
+                 slice_bytes: int = 4 << 20, foreign=None, measure_reads: bool = False) -> None:
         self.stores, self.journals, self.counters = list(stores), list(journals), counters
+        # promote "stage": a copy up is how a hit reads the drive, so its read measures the lower
+        # tiers' rate the planner prices those hits by (there are few loads from below to do it)
+        self.measure_reads = measure_reads
         self.foreign = foreign  # tutti.engine.sharing.ForeignStores: the other writers, for borrowed promotions
         self.slot_bytes, self.reads = slot_bytes, reads
         self.slice_bytes = max(4096, slice_bytes // 4096 * 4096)
@@ -85,7 +88,7 @@ class TierCopier:
         for c in copies:
             t0 = time.perf_counter()
             try:
-                self._copy(c)
+                read_s = self._copy(c)
             except Exception as exc:  # noqa: BLE001 - a copy fails alone: the chunk stays where it was
                 self.failed += 1
                 log.warning("tutti: copy of chunk %s from tier %d to tier %d failed: %s", c.key.hex()[:16], c.src,
@@ -93,10 +96,14 @@ class TierCopier:
                 self.counters.record(store_failed=[c.ticket])
                 continue
             self.copied[c.dst] += 1
+            rate = {}
+            if self.measure_reads and c.dst < c.src and read_s > 0:
+                rate = {"lower_rate_bytes": self.slot_bytes, "lower_rate_seconds": read_s}
             self.counters.record(stored=[c.ticket], bytes_stored=self.slot_bytes,
-                                 store_seconds=time.perf_counter() - t0)
+                                 store_seconds=time.perf_counter() - t0, **rate)
 
-    def _copy(self, c: CopyChunk) -> None:
+    def _copy(self, c: CopyChunk) -> float:
+        """One copy, committed; returns the seconds its reads of the source took (yields aside)."""
         if c.source is None:
             src, journal = self.stores[c.src], self.journals[c.src]
         elif self.foreign is None:
@@ -108,7 +115,7 @@ class TierCopier:
             raise LookupError(f"slot {c.src_slot} of tier {c.src} no longer holds it")
         dst = self.stores[c.dst]
         with src.held(c.src_slot) as (fd, off):  # a promotion reads the drive the hits read: after them
-            self._sliced(os.preadv, fd, off, yielding=c.src > 0, what="read of the source slot")
+            read_s = self._sliced(os.preadv, fd, off, yielding=c.src > 0, what="read of the source slot")
         if c.source is not None:
             bad = self.foreign.new_step({c.source}).get(c.source)  # what its owner journaled during the read
             if bad is not None:
@@ -120,18 +127,23 @@ class TierCopier:
             self._sliced(os.pwritev, fd, off, yielding=True, what="write of the destination slot")
         dst.commit([(c.key, c.dst_slot, sums)])
         self.journals[c.dst].put(c.dst_slot, c.key, sums)
+        return read_s
 
-    def _sliced(self, io, fd: int, off: int, *, yielding: bool, what: str) -> None:
+    def _sliced(self, io, fd: int, off: int, *, yielding: bool, what: str) -> float:
         """The whole slot between the buffer and `fd` at `off` through `io` (os.preadv or
-        os.pwritev), a slice at a time, each after the hits' reads in flight when `yielding`."""
-        done = 0
+        os.pwritev), a slice at a time, each after the hits' reads in flight when `yielding`.
+        Returns the seconds spent in `io` (the yields left out)."""
+        done, spent = 0, 0.0
         while done < self.slot_bytes:
             if yielding:
                 self._yield_to_reads()
+            t0 = time.perf_counter()
             k = io(fd, [self._view[done:done + self.slice_bytes]], off + done)
+            spent += time.perf_counter() - t0
             if k <= 0:
                 raise OSError(f"{what} stopped at {done} of {self.slot_bytes} bytes")
             done += k
+        return spent
 
     def _yield_to_reads(self) -> None:
         if self.reads is None:
