@@ -531,6 +531,11 @@ def bench_case(srv: Server, a, model: str, dataset: str | None) -> dict:
     return res
 
 
+def p90(srt: list[float]) -> float:
+    """The 90th percentile of sorted values (at least one)."""
+    return srt[min(len(srt) - 1, int(0.9 * len(srt)))]
+
+
 def request_ttfts(r: dict) -> dict:
     """Each request's TTFT in ms (None: it failed), in the dataset's order, which is the order the
     client sends them in, and the p90: the tail the summary's mean, p50 and p99 leave out
@@ -539,7 +544,7 @@ def request_ttfts(r: dict) -> dict:
     srt = sorted(t for t in ms if t is not None)
     if not srt:
         return {}
-    return {"ttfts_ms": ms, "p90_ttft_ms": srt[min(len(srt) - 1, int(0.9 * len(srt)))]}
+    return {"ttfts_ms": ms, "p90_ttft_ms": p90(srt)}
 
 
 def ttft_by_send(ttfts_ms: list[float | None] | None, order: list[int] | None) -> dict:
@@ -558,7 +563,7 @@ def ttft_by_send(ttfts_ms: list[float | None] | None, order: list[int] | None) -
     def stats(xs: list[float]) -> dict:
         srt = sorted(xs)
         return {"n": len(xs), "mean": round(sum(xs) / len(xs), 1), "p50": srt[len(srt) // 2],
-                "p90": srt[min(len(srt) - 1, int(0.9 * len(srt)))]} if xs else {"n": 0}
+                "p90": p90(srt)} if xs else {"n": 0}
     return {"ttft_first_sends_ms": stats(first), "ttft_repeats_ms": stats(repeat)}
 
 

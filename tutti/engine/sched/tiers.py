@@ -215,11 +215,11 @@ class TierPlanning:
         if self.write_policy == "back":
             for t in range(len(self.lower)):
                 self._clean_ahead(t)
-        # staged hits first: a request waits for them (only in place of a chunk a tier below holds)
+        # staged hits first: a request waits for them (only in place of a chunk a tier below holds;
+        # _plan_copy skips one already up or on its way)
         stage, self._stage = list(dict.fromkeys(self._stage)), []
         for key, src in stage:
-            if key not in self.index and not self.index.is_pending(key):
-                self._plan_copy(plan, key, src, 0)
+            self._plan_copy(plan, key, src, 0)
         down, self._down = list(dict.fromkeys(self._down)), []
         up, self._up = self._up, []
         for n, (key, src) in enumerate(down):

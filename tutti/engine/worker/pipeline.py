@@ -140,7 +140,7 @@ class WorkerPipeline:
                 self.ctx.reads = ReadsFirst(READS_FIRST_BYTES)
             self.copier = TierCopier([store, *lower], [self.journal, *(j for _, j in self.ctx.lower)], self.counters,
                                      slot_bytes=store.slot_bytes, reads=self.ctx.reads, foreign=foreign,
-                                     measure_reads=getattr(self.ctx.cfg, "promote", "hits") == "stage")
+                                     measure_reads=self.ctx.cfg.promote == "stage")
         self.foreign = foreign  # tutti.engine.sharing.ForeignStores (other writers of the namespace)
         self.loads = LoadPipeline(self.ctx, ring, self.journal, self.counters, self._forget, foreign)
         self.async_loads = None

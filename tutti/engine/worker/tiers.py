@@ -77,30 +77,27 @@ class TierCopier:
             self._thread.submit(self._next)
 
     def _next(self) -> None:
-        """Run the first copy waiting: a promotion if any, else the oldest write-down."""
+        """Run the first copy waiting, a promotion if any, else the oldest write-down, and report it."""
         with self._lock:
             queue = self._up or self._down
-            c = queue.popleft() if queue else None
-        if c is not None:
-            self._run([c])
-
-    def _run(self, copies: list[CopyChunk]) -> None:
-        for c in copies:
-            t0 = time.perf_counter()
-            try:
-                read_s = self._copy(c)
-            except Exception as exc:  # noqa: BLE001 - a copy fails alone: the chunk stays where it was
-                self.failed += 1
-                log.warning("tutti: copy of chunk %s from tier %d to tier %d failed: %s", c.key.hex()[:16], c.src,
-                            c.dst, exc)
-                self.counters.record(store_failed=[c.ticket])
-                continue
-            self.copied[c.dst] += 1
-            rate = {}
-            if self.measure_reads and c.dst < c.src and read_s > 0:
-                rate = {"lower_rate_bytes": self.slot_bytes, "lower_rate_seconds": read_s}
-            self.counters.record(stored=[c.ticket], bytes_stored=self.slot_bytes,
-                                 store_seconds=time.perf_counter() - t0, **rate)
+            if not queue:
+                return
+            c = queue.popleft()
+        t0 = time.perf_counter()
+        try:
+            read_s = self._copy(c)
+        except Exception as exc:  # noqa: BLE001 - a copy fails alone: the chunk stays where it was
+            self.failed += 1
+            log.warning("tutti: copy of chunk %s from tier %d to tier %d failed: %s", c.key.hex()[:16], c.src,
+                        c.dst, exc)
+            self.counters.record(store_failed=[c.ticket])
+            return
+        self.copied[c.dst] += 1
+        rate = {}
+        if self.measure_reads and c.dst < c.src and read_s > 0:
+            rate = {"lower_rate_bytes": self.slot_bytes, "lower_rate_seconds": read_s}
+        self.counters.record(stored=[c.ticket], bytes_stored=self.slot_bytes,
+                             store_seconds=time.perf_counter() - t0, **rate)
 
     def _copy(self, c: CopyChunk) -> float:
         """One copy, committed; returns the seconds its reads of the source took (yields aside)."""
