@@ -16,7 +16,7 @@
 #   bash scripts/gpu_tiers.sh 8   # none, tutti_disk (32 GiB), tutti_tiered (8 GiB RAM + 32 GiB disk) on the 8B
 #                                 # geometry: 48 prefixes of 4096 tokens (24 GiB), vLLM's GPU KV 8 GiB
 #   bash scripts/gpu_tiers.sh 9   # tier_fs, tutti_tiered alone (two servers, part 1's workload): tutti against
-#                                 # vLLM's pair when little device time is left
+#                                 # vLLM's pair, the shortest comparison of the two
 #   bash scripts/gpu_tiers.sh 10  # part 9's cases on Zipf popularity
 #   bash scripts/gpu_tiers.sh 11  # tier_fs, tutti_tiered, tutti_tiered_stage (promote "stage"), prefix repetition
 #   bash scripts/gpu_tiers.sh 12  # part 11's cases on Zipf popularity

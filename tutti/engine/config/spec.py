@@ -194,10 +194,10 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "With tiers: \"hits\" copies a chunk a hit loaded from a lower tier up into the first when admission "
         "agrees (another server's chunk too) and no write-down is waiting; \"stage\" copies a hit's chunks "
         "up before it loads, the request waiting without GPU blocks meanwhile (as vLLM's own tiering does: a hit "
-        "loading from the drive holds its blocks idle for the read; 17% of the GPU KV cache in an H100 serving "
-        "run, results/tiers.md), then loads them from the first tier; \"off\" leaves the first tier to new chunks: "
+        "loading from the drive holds its blocks idle for the read; 17% of the GPU KV cache in "
+        "`scripts/gpu_tiers.sh 9`, results/tiers.md), then loads them from the first tier; \"off\" leaves the first tier to new chunks: "
         "the chunk a hit loaded is in vLLM's GPU cache by then, so its copy in RAM serves only once vLLM evicts it "
-        "(bench/drive_sim.py's model serves a few percent more without; H200 and H100 serving runs served the "
+        "(bench/drive_sim.py's model serves a few percent more without; `scripts/gpu_tiers.sh 5` served the "
         "same either way: results/tiers.md).", "hits",
         choice(("hits", "stage", "off"), "whether and when hits from a lower tier are copied up")),
     Key("chunk_tokens", "essential", "an integer in [1, 1048576], a multiple of vLLM's block size",
