@@ -14,14 +14,21 @@ figures everywhere. It is a model: it says which policy to measure on a GPU, not
     python3 bench/drive_sim.py [--drive-gbps 1.6] [--admissions all,drive_share,seen_twice,share:0.5] [--out F]
 
 `--stores` compares where chunks live: "disk" (one root on the drive, the default), "ram" (one
-RAM root of `--ram-chunks`, read and written at `--ram-gbps`), "tiered", "tiered_back" and
-"tiered_nopromo" (that RAM in front of the drive, `tiers` with write_policy "through", "back", or
-"through" with `promote: off`: the real planner's copies down and promotions up, which take drive
-time behind the hits' reads as the worker's copier does; steps that read the drive report their
-rate apart, as the worker does):
+RAM root of `--ram-chunks`, read and written at `--ram-gbps`), "tiered", "tiered_back",
+"tiered_nopromo" and "tiered_stage" (that RAM in front of the drive, `tiers` with write_policy
+"through", "back", "through" with `promote: off`, or "through" with `promote: stage`: the real
+planner's copies down and promotions up, which take drive time behind the hits' reads as the
+worker's copier does, promotions before write-downs; steps that read the drive report their rate
+apart, as the worker does):
 
     python3 bench/drive_sim.py --stores disk,ram,tiered --ram-chunks 409 --capacity-chunks 1638 \
         --bytes-per-token 81920 --prefill-tps 12000 --num-prefixes 32 --prefix-len 8192 --gpu-cache-chunks 204
+
+`--gpu-kv-chunks N` bounds vLLM's whole GPU KV cache (GpuKv): the blocks of the requests in flight
+and the prefix cache share N chunks, a request waits in vLLM's queue until its blocks fit, and a
+hit that loads holds its blocks while it loads, where a staged hit ("tiered_stage") waits in the
+queue holding none. Without it (0) only the prefix cache is bounded, as the figures before it were
+made.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tutti.engine.sched import hit_policy as hit_policy_mod  # noqa: E402
+from tutti.engine.sched import tiers as tiers_mod  # noqa: E402
 from tutti.engine.sched.admission import DriveShare, get_admission  # noqa: E402
 from tutti.engine.sched.hit_policy import get_policy  # noqa: E402
 from tutti.engine.keys import namespace_seed  # noqa: E402
@@ -61,15 +69,18 @@ class Clock:
 
 class Drive:
     """One device: `rate` bytes a second, shared; queued reads go before queued writes (and before
-    `background` work: copies between tiers, which yield to the hits' reads as the copier does)."""
+    `background` work: copies between tiers, which yield to the hits' reads as the copier does;
+    copies up, promotions, go before copies down, as the worker's TierCopier takes them)."""
 
     def __init__(self, rate: float) -> None:
         self.rate = rate
         self.reads: deque = deque()  # [item, bytes left]
         self.writes: deque = deque()
-        self.background: deque = deque()  # [item, bytes left, "r" or "w"]
+        self.up: deque = deque()  # copies up: [item, bytes left, "r", started at]
+        self.background: deque = deque()  # copies down: [item, bytes left, "w", started at]
         self.read_bytes = self.write_bytes = 0
         self.read_done_at: list[float] = []  # with advance(t0=...): when each read of the last advance landed
+        self.up_seconds: dict = {}  # copy up -> seconds from the drive starting it to its end (the copier's read_s)
 
     def advance(self, dt: float, t0: float = 0.0) -> tuple[list, list]:
         budget = total = self.rate * dt
@@ -88,17 +99,22 @@ class Drive:
                     done.append(q.popleft()[0])
                     if kind == "r":
                         self.read_done_at.append(t0 + (total - budget) / self.rate)
-        while self.background and budget > 0:  # copies: behind reads and stores
-            item = self.background[0]
-            take = min(budget, item[1])
-            item[1] -= take
-            budget -= take
-            if item[2] == "r":
-                self.read_bytes += take
-            else:
-                self.write_bytes += take
-            if item[1] <= 1e-6:
-                done_w.append(self.background.popleft()[0])
+        for q in (self.up, self.background):  # copies: behind reads and stores
+            while q and budget > 0:
+                item = q[0]
+                if item[3] is None:
+                    item[3] = t0 + (total - budget) / self.rate
+                take = min(budget, item[1])
+                item[1] -= take
+                budget -= take
+                if item[2] == "r":
+                    self.read_bytes += take
+                else:
+                    self.write_bytes += take
+                if item[1] <= 1e-6:
+                    done_w.append(q.popleft()[0])
+                    if item[2] == "r":
+                        self.up_seconds[item[0]] = t0 + (total - budget) / self.rate - item[3]
         return done_r, done_w
 
 
@@ -107,7 +123,7 @@ class Req:
     rid: str
     tokens: list[int]
     computed: int = 0
-    state: str = "prefill"  # wait_load, prefill, decode
+    state: str = "prefill"  # waiting (in vLLM's queue, no blocks), wait_load, ready (loaded: its other blocks next), prefill, decode
     decoded: int = 0
     start: float = 0.0
     first_token: float | None = None
@@ -136,6 +152,9 @@ class Result:
     writedowns: int = 0
     promotions: int = 0
     dropped: int = 0
+    staged_hits: int = 0
+    load_wait_s: float = 0.0  # seconds requests spent holding GPU blocks while their loads ran (summed)
+    queue_wait_s: float = 0.0  # seconds requests spent in vLLM's queue without blocks (summed; --gpu-kv-chunks)
 
 
 def workload(a, seed: int) -> list[list[int]]:
@@ -179,10 +198,95 @@ class FrontShare:
         return c.state or c.chunk < max(1, round(self.share * c.prompt_chunks))
 
 
+STORES = ("disk", "ram", "tiered", "tiered_back", "tiered_nopromo", "tiered_stage")
+
+
+class GpuKv:
+    """vLLM's GPU KV cache under --gpu-kv-chunks: one pool of chunks for the blocks of the requests
+    in flight and the prefix cache. A cached chunk a running request uses is held (referenced);
+    the others are evicted least recent first when a request needs room. A request's private
+    blocks (the tokens it computes or loads, its output) are `held` until it finishes; its prompt's
+    chunks join the cache when its prefill ends. Without a budget (0) the cache alone is modelled,
+    `--gpu-cache-chunks` of it, and requests in flight take no room (the older model)."""
+
+    def __init__(self, chunks: int, cache_chunks: int, chunk_tokens: int) -> None:
+        self.chunks, self.cache_chunks, self.chunk_tokens = chunks, cache_chunks, chunk_tokens
+        self.cache: OrderedDict = OrderedDict()  # chunk prefix hash -> None, least recent first
+        self.refs: dict[int, int] = {}
+        self.held: dict[str, int] = {}  # request -> private chunks
+        self.uses: dict[str, list[int]] = {}  # request -> cached chunks it references
+
+    def hit(self, rid: str, hashes: list[int]) -> int:
+        """The leading chunks of `hashes` cached: counted as used by `rid` (with a budget)."""
+        n = 0
+        for h in hashes:
+            if h not in self.cache:
+                break
+            self.cache.move_to_end(h)
+            n += 1
+        if self.chunks:
+            self._use(rid, hashes[:n])
+        return n
+
+    def _use(self, rid: str, hashes: list[int]) -> None:
+        for h in hashes:
+            self.refs[h] = self.refs.get(h, 0) + 1
+        self.uses.setdefault(rid, []).extend(hashes)
+
+    def _evict(self, room: int) -> bool:
+        """Make `room` chunks free by evicting unreferenced cached chunks; False: they are not there."""
+        free = self.chunks - len(self.cache) - sum(self.held.values())
+        if free >= room:
+            return True
+        victims = [h for h in self.cache if not self.refs.get(h)][:room - free]
+        if len(victims) < room - free:
+            return False
+        for h in victims:
+            del self.cache[h]
+        return True
+
+    def alloc(self, rid: str, tokens: int) -> bool:
+        """Private blocks for `tokens` more tokens of `rid`; False: no room (vLLM leaves it waiting)."""
+        if not self.chunks:
+            return True
+        need = -(-tokens // self.chunk_tokens)
+        if not self._evict(need):
+            return False
+        self.held[rid] = self.held.get(rid, 0) + need
+        return True
+
+    def release(self, rid: str) -> None:
+        """`rid` gave up its blocks before its prefill ended (declined or rescheduled)."""
+        self.held.pop(rid, None)
+        for h in self.uses.pop(rid, []):
+            self.refs[h] -= 1
+
+    def prefilled(self, rid: str, hashes: list[int]) -> None:
+        """`rid`'s prompt is computed: its chunks are cached (its own blocks move into the cache)."""
+        for h in hashes:
+            if h in self.cache:
+                self.cache.move_to_end(h)
+                continue
+            self.cache[h] = None
+            if self.chunks:
+                self._use(rid, [h])
+                self.held[rid] = max(0, self.held.get(rid, 0) - 1)
+        if not self.chunks:
+            while len(self.cache) > self.cache_chunks:
+                self.cache.popitem(last=False)
+
+    def finished(self, rid: str) -> None:
+        self.release(rid)
+
+    def blocks_in_use(self) -> int:
+        return sum(self.held.values()) + sum(1 for h in self.cache if self.refs.get(h))
+
+
 def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
-    """One run; `stores`: where the store lives ("disk", "ram", "tiered", "tiered_back", "tiered_nopromo")."""
+    """One run; `stores`: where the store lives (STORES)."""
     clock = Clock()
     hit_policy_mod.time = clock  # the RateMeter's clock: the model's
+    tiers_mod.time = clock  # and the staged hits' wait
     requests = workload(a, seed)
     chunk_bytes = a.chunk_tokens * a.bytes_per_token
     planner = None
@@ -203,7 +307,7 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
                           seed=namespace_seed("drive-sim"), slot_bytes=chunk_bytes, hit_policy=get_policy(a.hit_policy),
                           step_tokens=a.step_tokens, asynchronous=True, admission=policy, lower=lower,
                           write_policy="back" if stores == "tiered_back" else "through",
-                          promote=stores != "tiered_nopromo")
+                          promote=stores != "tiered_nopromo", stage=stores == "tiered_stage")
         # the start-up read probes: each tier's own rate, as WorkerPipeline.probe_read_rate reports them
         rate0 = a.drive_rate if stores == "disk" else a.ram_rate
         planner.on_report(WorkerReport(probe_bytes=64 << 20, probe_seconds=(64 << 20) / rate0,
@@ -214,7 +318,7 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
     copies: set[int] = set()  # tickets of copies between tiers in flight
     reads_lower: set[int] = set()  # async steps that read the drive tier
     load_end: dict[int, float] = {}  # async step -> when its last read landed (the rate sample's end)
-    gpu: OrderedDict = OrderedDict()  # vLLM's prefix cache: chunk prefix hashes, least recent first
+    kvc = GpuKv(a.gpu_kv_chunks, a.gpu_cache_chunks, a.chunk_tokens)  # vLLM's GPU KV cache and prefix cache
     pending = deque(enumerate(requests))
     active: dict[str, Req] = {}
     async_left: dict[int, int] = {}  # async step -> loads not yet read
@@ -229,41 +333,68 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
         n = (len(tokens) - 1) // a.chunk_tokens
         return [hash(tuple(tokens[:(c + 1) * a.chunk_tokens])) for c in range(n)]
 
+    def schedule(r: Req) -> str:
+        """vLLM takes waiting `r`: its GPU prefix hit, tutti's lookup, its blocks. "ok", "staged"
+        (tutti said "later": vLLM skips it this step) or "full" (no room: vLLM stops taking requests)."""
+        hs = chunk_hashes(r.tokens)
+        r.gpu_hit = kvc.hit(r.rid, hs) * a.chunk_tokens
+        r.computed = r.gpu_hit
+        got = 0
+        if planner is not None:
+            got = planner.match(r.rid, r.tokens, r.gpu_hit)
+            if got is None:
+                kvc.release(r.rid)
+                return "staged"
+        if not kvc.alloc(r.rid, got if got else len(r.tokens) - r.gpu_hit + a.output_len):
+            kvc.release(r.rid)
+            return "full"
+        res.gpu_cache_tokens += r.gpu_hit
+        if planner is not None:
+            blocks = list(range(-(-len(r.tokens) // 16)))
+            planner.on_alloc(r.rid, blocks, got, async_load=got > 0)
+            planner.update_request(r.rid, tokens=r.tokens, all_block_ids=blocks)
+        r.state, r.loaded = ("wait_load", got) if got else ("prefill", 0)
+        return "ok"
+
     while pending or active:
         while pending and len(active) < a.concurrency:
             i, tokens = pending.popleft()
-            r = Req(f"r{i}", tokens, start=clock.t)
-            hs = chunk_hashes(tokens)
-            local = 0
-            for h in hs:
-                if h not in gpu:
-                    break
-                gpu.move_to_end(h)
-                local += 1
-            r.gpu_hit = local * a.chunk_tokens
-            r.computed = r.gpu_hit
-            res.gpu_cache_tokens += r.gpu_hit
-            got = 0
-            if planner is not None:
-                got = planner.match(r.rid, tokens, r.gpu_hit)
-                blocks = list(range(-(-len(tokens) // 16)))
-                planner.on_alloc(r.rid, blocks, got, async_load=got > 0)
-                planner.update_request(r.rid, tokens=tokens, all_block_ids=blocks)
-            if got:
-                r.state, r.loaded = "wait_load", got
+            r = Req(f"r{i}", tokens, start=clock.t, state="waiting")
             active[r.rid] = r
-        # one step: decodes first, then prompts in arrival order, within the token budget
+            if not a.gpu_kv_chunks:  # the older model: looked up on arrival, never short of blocks
+                schedule(r)
+        # one step: decodes first, then prompts in arrival order, within the token budget; then
+        # waiting requests in arrival order while blocks and budget last (vLLM's scheduler)
         budget, scheduled, before, prefill_tokens = a.step_tokens, {}, {}, 0
         for r in active.values():
             if r.state == "decode" and budget > 0:
                 scheduled[r.rid], before[r.rid] = 1, r.computed
                 budget -= 1
+        def prefill(r: Req) -> None:
+            nonlocal budget, prefill_tokens
+            n = min(len(r.tokens) - r.computed, budget)
+            scheduled[r.rid], before[r.rid] = n, r.computed
+            budget -= n
+            prefill_tokens += n
+
         for r in active.values():
             if r.state == "prefill" and budget > 0:
-                n = min(len(r.tokens) - r.computed, budget)
-                scheduled[r.rid], before[r.rid] = n, r.computed
-                budget -= n
-                prefill_tokens += n
+                prefill(r)
+        for r in list(active.values()):
+            if r.state not in ("waiting", "ready") or budget <= 0:
+                continue
+            if r.state == "ready":
+                if not kvc.alloc(r.rid, len(r.tokens) - r.computed + a.output_len):
+                    break
+                r.state = "prefill"
+            else:
+                got = schedule(r)
+                if got == "staged":
+                    continue
+                if got == "full":
+                    break
+            if r.state == "prefill":
+                prefill(r)
         report = WorkerReport()
         if planner is not None:
             plan = planner.build_step(scheduled, before)
@@ -286,10 +417,18 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
                     devices[0].writes.append([st.ticket, chunk_bytes])
             for c in plan.copies:  # down: the drive writes it; up (a promotion): the drive reads it
                 copies.add(c.ticket)
-                drive.background.append([c.ticket, chunk_bytes, "w" if c.dst > c.src else "r"])
+                if c.dst > c.src:
+                    drive.background.append([c.ticket, chunk_bytes, "w", None])
+                else:
+                    drive.up.append([c.ticket, chunk_bytes, "r", None])
             step = plan.step
         busy = bool(scheduled)
         dt = a.step_overhead_s + prefill_tokens / a.prefill_tps if busy else a.idle_tick_s
+        for r in active.values():
+            if r.state == "wait_load":
+                res.load_wait_s += dt
+            elif r.state in ("waiting", "ready"):
+                res.queue_wait_s += dt
         step_t0 = clock.t
         clock.t += dt
         done_r, done_w = drive.advance(dt, step_t0)
@@ -307,11 +446,7 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
                 r.computed += n
                 if r.computed >= len(r.tokens):
                     r.state, r.decoded, r.first_token = "decode", 1, clock.t
-                    for h in chunk_hashes(r.tokens):
-                        gpu[h] = None
-                        gpu.move_to_end(h)
-                    while len(gpu) > a.gpu_cache_chunks:
-                        gpu.popitem(last=False)
+                    kvc.prefilled(r.rid, chunk_hashes(r.tokens))
             else:
                 r.computed += 1
                 r.decoded += 1
@@ -334,9 +469,14 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
                     for rid in waiting_on.pop(s):
                         r = active.get(rid)
                         if r is not None and r.state == "wait_load":
-                            r.state = "prefill"
+                            r.state = "ready" if a.gpu_kv_chunks else "prefill"  # (its other blocks next)
                             r.computed = r.gpu_hit + r.loaded
             report.stored.extend(done_w)
+            for t in done_w:  # promote "stage": the copier's reads up measure the drive tier's rate
+                secs = drive.up_seconds.pop(t, None)
+                if secs is not None and planner.stage and secs > 0:
+                    report.lower_rate_bytes += chunk_bytes
+                    report.lower_rate_seconds += secs
             n_copies = sum(1 for t in done_w if t in copies)
             copies.difference_update(done_w)
             inflight_stores -= len(done_w) - n_copies
@@ -344,6 +484,7 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
             planner.on_report(report)
         for rid in [rid for rid, r in active.items() if r.state == "decode" and r.decoded >= a.output_len]:
             r = active.pop(rid)
+            kvc.finished(rid)
             ttfts.append(r.first_token - r.start)
             res.requests += 1
             if planner is not None:
@@ -361,7 +502,7 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
     if planner is not None and planner.lower:
         ts = planner.tier_stats
         res.tier_hit_tokens, res.writedowns = list(ts.hit_tokens), ts.writedowns[1]
-        res.promotions, res.dropped = ts.promotions, ts.dropped
+        res.promotions, res.dropped, res.staged_hits = ts.promotions, ts.dropped, ts.staged_hits
     return res
 
 
@@ -387,11 +528,16 @@ def main() -> None:
     ap.add_argument("--bytes-per-token", type=int, default=131072, help="8B Llama KV: 32 layers x 8 heads x 128 x 2 x bf16")
     ap.add_argument("--gpu-cache-chunks", type=int, default=200,
                     help="vLLM's own prefix cache, in chunks (no connector then hits 176k tokens of 811k; the H200: 187k)")
+    ap.add_argument("--gpu-kv-chunks", type=int, default=0,
+                    help="vLLM's whole GPU KV cache, in chunks, shared by the requests in flight and the prefix cache: "
+                         "a request waits in vLLM's queue, holding nothing, until its blocks fit, and a hit that loads "
+                         "holds its blocks while it loads. 0: the older model, a prefix cache of --gpu-cache-chunks "
+                         "beside requests that take no room")
     ap.add_argument("--capacity-chunks", type=int, default=1024, help="the store (32 GiB of 32 MiB chunks)")
     ap.add_argument("--staging-chunks", type=int, default=64, help="stores in flight (auto staging: two steps' worth)")
     ap.add_argument("--hit-policy", default="auto", help="tutti's hit_policy (auto, always, a name or module:attr)")
     ap.add_argument("--stores", default="disk",
-                    help="where the store lives: disk, ram, tiered, tiered_back, tiered_nopromo (a list)")
+                    help="where the store lives: " + ", ".join(STORES) + " (a list)")
     ap.add_argument("--ram-chunks", type=int, default=256, help="the RAM root's or RAM tier's capacity, in chunks")
     ap.add_argument("--ram-gbps", type=float, default=25.0, help="the RAM tier's rate into the GPU (GB/s)")
     ap.add_argument("--rate-timing", default="step", choices=["step", "exact"],
@@ -407,8 +553,8 @@ def main() -> None:
         for seed in (int(s) for s in a.seeds.split(",")):
             base = run(a, "none", seed)
             for where in a.stores.split(","):
-                if where not in ("disk", "ram", "tiered", "tiered_back", "tiered_nopromo"):
-                    ap.error(f"--stores {where!r}: expected disk, ram, tiered, tiered_back or tiered_nopromo")
+                if where not in STORES:
+                    ap.error(f"--stores {where!r}: expected one of " + ", ".join(STORES))
                 for adm in a.admissions.split(","):
                     r = run(a, adm, seed, where)
                     row = {"drive_gbps": float(gbps), **vars(r), "x_none": round(base.makespan_s / r.makespan_s, 3),
