@@ -25,10 +25,10 @@ apart, as the worker does):
         --bytes-per-token 81920 --prefill-tps 12000 --num-prefixes 32 --prefix-len 8192 --gpu-cache-chunks 204
 
 `--gpu-kv-chunks N` bounds vLLM's whole GPU KV cache (GpuKv): the blocks of the requests in flight
-and the prefix cache share N chunks, a request waits in vLLM's queue until its blocks fit, and a
-hit that loads holds its blocks while it loads, where a staged hit ("tiered_stage") waits in the
-queue holding none. Without it (0) only the prefix cache is bounded, as the figures before it were
-made.
+and the prefix cache share N chunks, a request waits in vLLM's queue until its whole sequence fits
+(vLLM's full-sequence reservation), and a hit that loads holds its blocks while it loads, where a
+staged hit ("tiered_stage", while the blocks are short: `--stage-pressure`) waits in the queue
+holding none. Without it (0) only the prefix cache is bounded, as the figures before it were made.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from tutti.engine.sched import hit_policy as hit_policy_mod  # noqa: E402
 from tutti.engine.sched import tiers as tiers_mod  # noqa: E402
 from tutti.engine.sched.admission import DriveShare, get_admission  # noqa: E402
 from tutti.engine.sched.hit_policy import get_policy  # noqa: E402
+from tutti.engine.config.settings import EngineConfig  # noqa: E402
 from tutti.engine.keys import namespace_seed  # noqa: E402
 from tutti.engine.plan import WorkerReport  # noqa: E402
 from tutti.engine.sched.index import ChunkIndex  # noqa: E402
@@ -123,7 +124,7 @@ class Req:
     rid: str
     tokens: list[int]
     computed: int = 0
-    state: str = "prefill"  # waiting (in vLLM's queue, no blocks), wait_load, ready (loaded: its other blocks next), prefill, decode
+    state: str = "prefill"  # waiting (in vLLM's queue, no blocks), wait_load, ready (loaded: back in the queue), prefill, decode
     decoded: int = 0
     start: float = 0.0
     first_token: float | None = None
@@ -307,7 +308,8 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
                           seed=namespace_seed("drive-sim"), slot_bytes=chunk_bytes, hit_policy=get_policy(a.hit_policy),
                           step_tokens=a.step_tokens, asynchronous=True, admission=policy, lower=lower,
                           write_policy="back" if stores == "tiered_back" else "through",
-                          promote=stores != "tiered_nopromo", stage=stores == "tiered_stage")
+                          promote=stores != "tiered_nopromo", stage=stores == "tiered_stage",
+                          gpu_blocks=a.gpu_kv_chunks * a.chunk_tokens // 16, stage_pressure=a.stage_pressure)
         # the start-up read probes: each tier's own rate, as WorkerPipeline.probe_read_rate reports them
         rate0 = a.drive_rate if stores == "disk" else a.ram_rate
         planner.on_report(WorkerReport(probe_bytes=64 << 20, probe_seconds=(64 << 20) / rate0,
@@ -333,6 +335,14 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
         n = (len(tokens) - 1) // a.chunk_tokens
         return [hash(tuple(tokens[:(c + 1) * a.chunk_tokens])) for c in range(n)]
 
+    def block_ids(r: Req, hs: list[int]) -> list[int]:
+        """The request's GPU block ids (16 tokens each): shared with the requests before it where
+        vLLM's prefix cache had the chunk, its own elsewhere."""
+        per = a.chunk_tokens // 16
+        shared = r.gpu_hit // a.chunk_tokens
+        return [hash((hs[b // per], b)) if b // per < shared else hash((r.rid, b))
+                for b in range(-(-len(r.tokens) // 16))]
+
     def schedule(r: Req) -> str:
         """vLLM takes waiting `r`: its GPU prefix hit, tutti's lookup, its blocks. "ok", "staged"
         (tutti said "later": vLLM skips it this step) or "full" (no room: vLLM stops taking requests)."""
@@ -345,12 +355,15 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
             if got is None:
                 kvc.release(r.rid)
                 return "staged"
-        if not kvc.alloc(r.rid, got if got else len(r.tokens) - r.gpu_hit + a.output_len):
+        # the whole sequence must fit, a hit loading asynchronously included (vLLM's
+        # scheduler_reserve_full_isl, and the blocks it reserves for loads in flight): so a loaded
+        # hit never waits for the rest of its blocks while holding the others
+        if not kvc.alloc(r.rid, len(r.tokens) - r.gpu_hit + a.output_len):
             kvc.release(r.rid)
             return "full"
         res.gpu_cache_tokens += r.gpu_hit
         if planner is not None:
-            blocks = list(range(-(-len(r.tokens) // 16)))
+            blocks = block_ids(r, hs)
             planner.on_alloc(r.rid, blocks, got, async_load=got > 0)
             planner.update_request(r.rid, tokens=r.tokens, all_block_ids=blocks)
         r.state, r.loaded = ("wait_load", got) if got else ("prefill", 0)
@@ -383,9 +396,7 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
         for r in list(active.values()):
             if r.state not in ("waiting", "ready") or budget <= 0:
                 continue
-            if r.state == "ready":
-                if not kvc.alloc(r.rid, len(r.tokens) - r.computed + a.output_len):
-                    break
+            if r.state == "ready":  # (its blocks were reserved when it was scheduled)
                 r.state = "prefill"
             else:
                 got = schedule(r)
@@ -533,6 +544,10 @@ def main() -> None:
                          "a request waits in vLLM's queue, holding nothing, until its blocks fit, and a hit that loads "
                          "holds its blocks while it loads. 0: the older model, a prefix cache of --gpu-cache-chunks "
                          "beside requests that take no room")
+    ap.add_argument("--stage-pressure", type=float, default=EngineConfig.stage_pressure,
+                    help="tiered_stage: the stage_pressure key (a hit is staged only while the requests in flight "
+                         "hold more than this share of the GPU's blocks; 0: every hit from the drive; needs "
+                         "--gpu-kv-chunks, without it every hit is staged)")
     ap.add_argument("--capacity-chunks", type=int, default=1024, help="the store (32 GiB of 32 MiB chunks)")
     ap.add_argument("--staging-chunks", type=int, default=64, help="stores in flight (auto staging: two steps' worth)")
     ap.add_argument("--hit-policy", default="auto", help="tutti's hit_policy (auto, always, a name or module:attr)")

@@ -83,18 +83,21 @@ def test_the_tiers_in_the_model_serve_from_both_tiers_and_promote_only_when_aske
 def test_a_gpu_kv_budget_queues_requests_and_a_staged_hit_waits_holding_no_blocks(tmp_path):
     """--gpu-kv-chunks: the requests in flight and the prefix cache share the GPU's blocks. A hit
     loading from the drive holds its blocks while it loads; with promote "stage" it waits in vLLM's
-    queue holding none while its chunks are copied up, then loads them from the RAM tier."""
+    queue holding none while its chunks are copied up, but only while blocks are short
+    (--stage-pressure, the stage_pressure key)."""
     def rows(*extra):
         out = tmp_path / "kv.json"
         subprocess.run([sys.executable, os.path.join(ROOT, "bench", "drive_sim.py"), "--drive-gbps", "1.6", "--seeds", "1",
                         "--num-prefixes", "12", "--repeats", "3", "--admissions", "all", "--stores", "tiered,tiered_stage",
                         "--ram-chunks", "40", "--out", str(out), *extra], check=True, capture_output=True, timeout=300)
         return {r["stores"]: r for r in json.load(open(out))["rows"]}
-    kv = rows("--gpu-kv-chunks", "60")
+    kv = rows("--gpu-kv-chunks", "60", "--stage-pressure", "0")
     hits, stage = kv["tiered"], kv["tiered_stage"]
     assert hits["queue_wait_s"] > 0  # requests waited for blocks
-    assert hits["staged_hits"] == 0 and stage["staged_hits"] > 0
-    assert stage["tier_hit_tokens"][0] > hits["tier_hit_tokens"][0]  # staged hits load from the RAM tier
+    assert hits["staged_hits"] == 0 and stage["staged_hits"] > 0 and stage["tier_hit_tokens"][0] > 0
     assert stage["load_wait_s"] < hits["load_wait_s"]  # less time holding blocks idle
-    old = rows("--gpu-cache-chunks", "40")  # no budget: requests never wait for blocks
+    roomy = rows("--gpu-kv-chunks", "400")  # the default stage_pressure: blocks are never short here
+    assert roomy["tiered_stage"]["staged_hits"] == 0
+    old = rows("--gpu-cache-chunks", "40")  # no budget: requests never wait for blocks, every hit is staged
     assert old["tiered"]["queue_wait_s"] == 0 and old["tiered"]["load_wait_s"] > 0
+    assert old["tiered_stage"]["staged_hits"] > 0

@@ -39,7 +39,7 @@ def run(model, kvt, batches) -> tuple[list[dict], dict]:
         "p = harness.connector(llm).planner\n"
         "print('RESULT', json.dumps(res))\n"
         "print('STATS', json.dumps({**vars(p.stats), **{'tier_' + k: v for k, v in vars(p.tier_stats).items()},"
-        " 'ram': len(p.index), 'disk': len(p.lower[0].index)}))\n"
+        " 'ram': len(p.index), 'disk': len(p.lower[0].index), 'gpu_blocks': p.gpu_blocks}))\n"
         "harness.shutdown_llm(llm)\n"
     )
     return results_of(code)
@@ -83,21 +83,31 @@ def test_a_corrupt_chunk_in_the_disk_tier_is_recomputed_and_dropped(tiny_model, 
 def test_a_staged_hit_is_copied_up_first_then_loads_from_the_ram_tier(tiny_model, tmp_path, reference):
     """promote "stage": the lookup of a hit held only on the disk tier answers "later" (the
     request waits without GPU blocks) until its chunks are copied up; then it loads them from the
-    RAM tier, with recompute's tokens. The control: the same staged hit, its loads writing nothing."""
+    RAM tier, with recompute's tokens. The control: the same staged hit, its loads writing nothing.
+    With the default stage_pressure the same hit on an idle engine is not staged: vLLM's block
+    count reached the planner, and the blocks are not short."""
     a, b = prompt(35, 300), prompt(36, 300)
     kvt = tiered(tmp_path, ram_chunks=4)
     kvt["kv_connector_extra_config"]["promote"] = "stage"
     _, s1 = run(tiny_model, kvt, [[a], [b]])
     assert s1["tier_evictions"][0] == 4 and s1["disk"] == 8, s1  # a's chunks: on the disk tier only
-    shutil.copytree(tmp_path / "ram", tmp_path / "ctl" / "ram")
-    shutil.copytree(tmp_path / "disk", tmp_path / "ctl" / "disk")
+    assert s1["gpu_blocks"] > 0, s1  # vLLM's KV cache config gave the planner its block count
+    for copy in ("ctl", "roomy"):
+        shutil.copytree(tmp_path / "ram", tmp_path / copy / "ram")
+        shutil.copytree(tmp_path / "disk", tmp_path / copy / "disk")
     want = reference([a])[0]
+    roomy = tiered(tmp_path / "roomy", ram_chunks=4)
+    roomy["kv_connector_extra_config"]["promote"] = "stage"
+    res, s0 = run(tiny_model, roomy, [[a]])
+    assert s0["tier_staged_hits"] == 0 and s0["tier_hit_tokens"] == [0, 4 * CHUNK], s0  # loaded from below at once
+    assert res[0][0]["tokens"] == want
+    kvt["kv_connector_extra_config"]["stage_pressure"] = 0  # every hit from below is staged
     res, s2 = run(tiny_model, kvt, [[a]])
     assert res[0][0]["cached"] == 4 * CHUNK and res[0][0]["tokens"] == want, s2
     assert s2["tier_staged_hits"] == 1 and s2["tier_promotions"] == 4, s2
     assert s2["tier_hit_tokens"] == [4 * CHUNK, 0] and s2["loads_failed"] == 0, s2  # all of it from RAM
     ctl_kvt = tiered(tmp_path / "ctl", ram_chunks=4)
-    ctl_kvt["kv_connector_extra_config"]["promote"] = "stage"
+    ctl_kvt["kv_connector_extra_config"].update(promote="stage", stage_pressure=0)
     ctl = phases.run(tiny_model, tmp_path / "ctl", [a], connector=None, chunk=CHUNK, engine={}, drop="kv", tokens=8,
                      kvt=ctl_kvt)
     assert ctl.get("cached") == [4 * CHUNK], ctl.get("error")

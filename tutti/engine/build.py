@@ -103,14 +103,16 @@ def check_geometry(cfg: EngineConfig, geom: Geometry) -> int:
 
 def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry, *, engine_id: str = "",
                   announce: bool = False, mac: Any = READ_SECRET, asynchronous: bool = False,
-                  budgeted: bool = False, step_tokens: int = 8192, attention_weight: float = 0.0) -> Planner:
+                  budgeted: bool = False, step_tokens: int = 8192, attention_weight: float = 0.0,
+                  gpu_blocks: int = 0) -> Planner:
     """The scheduler's half: the index rebuilt from every rank's journal. `engine_id`: vLLM's,
     under which this process's worker recorded the writer id it took ("auto"). `announce`:
     chunks are announced (KV events), so this writer records its chunks' extras
     (`planner.extras`, tutti.store.extras) and follows the other writers' extras. How hits load
     (what the hit policy prices): `asynchronous` (every hit outside the batch), or `budgeted`
     (layer-wise up to the step's sync_load_budget_bytes, asynchronously past it); vLLM's step
-    token budget and the model's `attention_weight` (tutti.engine.sched.hit_policy)."""
+    token budget and the model's `attention_weight` (tutti.engine.sched.hit_policy); `gpu_blocks`:
+    vLLM's GPU KV blocks in all, where it says (promote "stage" stages only while they are short)."""
     from tutti.engine.sched.admission import get_admission
     from tutti.engine.sched.eviction import get_eviction
     from tutti.engine.sched.hit_policy import get_policy
@@ -131,7 +133,7 @@ def build_planner(raw_config: "Mapping[str, Any] | EngineConfig", geom: Geometry
     lower = [LowerTier(ChunkIndex(check_capacity(cfg.tier(i), geom), get_eviction(cfg.tier(i).eviction_policy)),
                        cfg.tier(i).roots[0]) for i in range(1, 1 + len(cfg.tiers))]
     planner = Planner(lower=lower, write_policy=cfg.write_policy, promote=cfg.promote in ("hits", "stage"),
-                      stage=cfg.promote == "stage",
+                      stage=cfg.promote == "stage", gpu_blocks=gpu_blocks, stage_pressure=cfg.stage_pressure,
                       num_slots=num_slots, chunk_tokens=cfg.chunk_tokens, block_size=geom.block_size,
                       seed=geom.seed() if mac is None else mac.seed(geom.seed()), num_workers=geom.num_workers, slot_bytes=geom.slot_bytes,
                       store_decode=cfg.store_decode, num_writers=geom.num_writers,

@@ -37,7 +37,7 @@ class SchedulerHalf:
         self.planner = p = build_planner(
             cfg, s.geom, engine_id=s.engine_id, mac=s.mac, announce=translate.announces(vllm_config, cfg.kv_events_endpoint),
             asynchronous=s.async_loads, budgeted=s.budgeted, step_tokens=translate.step_tokens(vllm_config) or 8192,
-            attention_weight=translate.attention_weight(vllm_config))
+            attention_weight=translate.attention_weight(vllm_config), gpu_blocks=s.gpu_blocks)
         self._stats = SchedulerStatsTracker(p.index.num_slots * p.slot_bytes)
         self._events = KVEventTracker(chunk_tokens=cfg.chunk_tokens, hash_block_size=s.hash_block_size, seed=p.seed)
         if cfg.kv_events_endpoint:

@@ -165,6 +165,7 @@ class Setup:
     mac: Any  # tutti.store.integrity.SegmentMac, or None
     engine_id: str
     hash_block_size: int
+    gpu_blocks: int = 0  # vLLM's GPU KV blocks in all (its KVCacheConfig; 0 where it gives none)
 
     @property
     def load_mode(self) -> str:
@@ -208,4 +209,5 @@ def setup(vllm_config: Any, kv_cache_config: Any, *, hybrid_connector: bool) -> 
     check_geometry(cfg, geom)  # chunk vs block size, capacity, staging: before any IO
     return Setup(cfg=cfg, geom=geom, hybrid=hybrid, async_loads=async_loads.value, async_why=async_loads.why,
                  budgeted=not async_loads.value and cfg.sync_load_budget_bytes != "off", mac=mac,
-                 engine_id=engine_id(vllm_config), hash_block_size=hash_block_size(kv_cache_config, geom.block_size))
+                 engine_id=engine_id(vllm_config), hash_block_size=hash_block_size(kv_cache_config, geom.block_size),
+                 gpu_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0))

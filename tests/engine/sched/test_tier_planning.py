@@ -11,9 +11,9 @@ from tutti.engine.sched.tiers import LowerTier
 T, BS = 64, 32  # chunk tokens, vLLM block size: 2 blocks a chunk
 
 
-def tiered(ram=2, disk=8, workers=1, stage=False):
+def tiered(ram=2, disk=8, workers=1, stage=False, **kw):
     return Planner(num_slots=ram, chunk_tokens=T, block_size=BS, seed=namespace_seed("t"), num_workers=workers,
-                   slot_bytes=4096, lower=[LowerTier(ChunkIndex(disk), "disk")], stage=stage)
+                   slot_bytes=4096, lower=[LowerTier(ChunkIndex(disk), "disk")], stage=stage, **kw)
 
 
 def prefill(p, req, tokens, blocks):
@@ -436,6 +436,29 @@ def test_without_stage_a_hit_from_below_is_answered_at_once():
     stored(p, "a", a, [1, 2, 3, 4, 5])
     stored(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])
     assert p.match("c", a, 0) == 2 * T and p.tier_stats.staged_hits == 0
+
+
+def test_a_hit_is_staged_only_while_the_requests_in_flight_hold_most_of_the_gpus_blocks():
+    """stage_pressure: idle blocks cost only where others wait for them. The requests in flight
+    are counted by their distinct blocks (a prefix two of them share is one set of blocks), with
+    the hit's own: above the share the hit waits holding none, below it loads at once."""
+    def setup(gpu_blocks):
+        p = tiered(ram=2, stage=True, gpu_blocks=gpu_blocks, stage_pressure=0.5)
+        a = list(range(129))
+        stored(p, "a", a, [1, 2, 3, 4, 5])
+        stored(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])  # evicts a's chunks from tier 0
+        p.finished("a"), p.finished("b")
+        for r in ("x", "y"):  # two requests in flight sharing four blocks, each with one of its own
+            p.update_request(r, tokens=list(range(5000, 5200)), all_block_ids=[20, 21, 22, 23, 30 if r == "x" else 31])
+        return p, a
+    p, a = setup(gpu_blocks=16)  # 6 blocks in flight + the hit's 4 > 0.5 x 16: staged
+    assert p.match("c", a, 0) is None and p.tier_stats.staged_hits == 1
+    p, a = setup(gpu_blocks=24)  # 10 of 24 (14, were the shared blocks counted twice): loads at once
+    assert p.match("c", a, 0) == 2 * T and p.tier_stats.staged_hits == 0
+    p.on_alloc("c", [11, 12, 13, 14, 15], 2 * T)
+    assert [ld.tier for ld in p.build_step({"c": 1}, {"c": 128}).loads] == [1, 1]
+    p, a = setup(gpu_blocks=0)  # vLLM gave no block count: every hit from below is staged
+    assert p.match("c", a, 0) is None
 
 
 def test_a_request_aborted_while_staged_leaves_no_pin_and_its_copies_still_serve_the_next():

@@ -81,6 +81,7 @@ class EngineConfig:
     write_policy: str = "through"
     promote: str = "hits"  # with tiers: "hits" copies a chunk a hit loaded from below up into the first; "stage"
     # copies it up before the hit loads (the request waits without GPU blocks); "off" never
+    stage_pressure: float = 0.7  # "stage": only while requests in flight hold more than this share of GPU blocks
     extra: Mapping[str, Any] = field(default_factory=dict)
     # the roots as given, before `{rank}` was expanded: for_rank() expands them again
     root_templates: tuple[str, ...] = field(default=(), compare=False, repr=False)

@@ -66,6 +66,14 @@ def seconds(lo: float, hi: float, example: str, *, off: float | None = None, aut
     return parse
 
 
+def share(example: str) -> Parse:
+    def parse(name: str, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ConfigError(f"{name}={v!r}: expected a share in [0, 1], e.g. {example}")
+        return float(v)
+    return parse
+
+
 def tristate(auto_means: str) -> Parse:
     def parse(name: str, v: Any) -> Any:
         if not (v == "auto" and isinstance(v, str) or isinstance(v, bool)):
@@ -200,6 +208,12 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "(bench/drive_sim.py's model serves a few percent more without; `scripts/gpu_tiers.sh 5` served the "
         "same either way: results/tiers.md).", "hits",
         choice(("hits", "stage", "off"), "whether and when hits from a lower tier are copied up")),
+    Key("stage_pressure", "tuning", "a share in [0, 1]",
+        "With promote \"stage\": a hit is staged only while the requests in flight hold more than this share of "
+        "vLLM's GPU KV blocks with the hit's own (idle blocks cost only where others wait for them; below it the "
+        "hit loads from where its chunks are, at once); 0 stages every hit from a lower tier. Where vLLM gives "
+        "no block count, every hit is staged. bench/drive_sim.py --gpu-kv-chunks: results/drive_sim.md.", 0.7,
+        share("0.7")),
     Key("chunk_tokens", "essential", "an integer in [1, 1048576], a multiple of vLLM's block size",
         "Tokens per stored chunk: the unit of a hit, a store and an eviction.", 256, integer(1, 1 << 20)),
     Key("medium", "tuning", "\"file\", a registered name or \"package.module:attr\"",

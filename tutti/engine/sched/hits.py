@@ -135,7 +135,8 @@ class HitPlanning:
             return 0
         r.hit_chunks = (num_computed_tokens + take) // self.chunk_tokens
         r.computed = num_computed_tokens + take
-        if self.stage and not r.staged and self._begin_stage(r):
+        if (self.stage and not r.staged and self._reaches_lower(r) and self._short_of_blocks(r)
+                and self._begin_stage(r)):
             return None
         return take
 

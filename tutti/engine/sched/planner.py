@@ -39,7 +39,7 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
                  admission: AdmissionPolicy | None = None, attention_weight: float = 0.0,
                  sync_budget: int | str | None = None, can_load_async: bool = False,
                  lower: Sequence[LowerTier] = (), write_policy: str = "through", promote: bool = True,
-                 stage: bool = False) -> None:
+                 stage: bool = False, gpu_blocks: int = 0, stage_pressure: float = 0.0) -> None:
         if chunk_tokens % block_size:
             raise ValueError(
                 f"chunk_tokens={chunk_tokens}: must be a multiple of the KV cache's block_size={block_size}; "
@@ -54,6 +54,8 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
         self.promote = promote  # a hit from a lower tier is copied up into tier 0 (tiers.py)
         # ... before it loads, the request waiting without GPU blocks (promote "stage": tiers.py)
         self.stage = stage and bool(self.lower)
+        self.gpu_blocks = gpu_blocks  # vLLM's GPU KV blocks in all (0: unknown)
+        self.stage_pressure = stage_pressure  # staging only while they are this short (tiers.py: _short_of_blocks)
         self._stage: list[tuple[bytes, int]] = []  # (key, tier) to copy up for a waiting request
         self._up_in_flight = 0  # copies up (promotions) planned and not reported
         self.tier_stats = TierStats.new(1 + len(self.lower))
