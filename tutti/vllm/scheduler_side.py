@@ -64,6 +64,14 @@ class SchedulerHalf:
             cfg.chunk_tokens, len(p.index), cfg.writer_id, len(foreign) if foreign else 0,
             len(foreign.writers) if foreign else 0, cfg.kv_events_endpoint or "vLLM only")
         self._say_other_namespaces()
+        if p.stage:
+            if p.gpu_blocks and p.stage_pressure > 0:
+                logger.info("tutti: promote 'stage': a hit from a lower tier is copied up before it loads while the "
+                            "requests in flight hold more than %d%% of vLLM's %d GPU blocks (stage_pressure)",
+                            round(100 * p.stage_pressure), p.gpu_blocks)
+            else:
+                logger.info("tutti: promote 'stage': every hit from a lower tier is copied up before it loads (%s)",
+                            "stage_pressure 0" if p.gpu_blocks else "vLLM gave no GPU block count")
         inflight = compat.max_inflight_kv_loads(vllm_config)
         if inflight is not None:
             logger.info("tutti: hits that load asynchronously start while the batch is full "
