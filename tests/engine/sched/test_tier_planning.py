@@ -461,6 +461,23 @@ def test_a_hit_is_staged_only_while_the_requests_in_flight_hold_most_of_the_gpus
     assert p.match("c", a, 0) is None
 
 
+def test_the_blocks_in_flight_are_counted_as_they_are_allocated_preempted_and_freed():
+    """Kept as vLLM reports blocks (a lookup reads one number, never walks the requests), and only
+    where promote "stage" weighs them."""
+    p = tiered(stage=True, gpu_blocks=100, stage_pressure=0.5)
+    toks = list(range(200))
+    p.update_request("x", tokens=toks, all_block_ids=[1, 2, 3])
+    p.update_request("y", tokens=toks, all_block_ids=[1, 2, 4])  # shares blocks 1 and 2 with x
+    assert len(p._block_refs) == 4
+    p.update_request("x", new_block_ids=[5])
+    p.preempted("y")  # its blocks are freed; x still holds 1 and 2
+    assert sorted(p._block_refs) == [1, 2, 3, 5]
+    p.on_alloc("y", [6, 7], 0)  # resumed with new blocks
+    p.finished("x")
+    assert sorted(p._block_refs) == [6, 7]
+    assert tiered(stage=False, gpu_blocks=100, stage_pressure=0.5)._block_refs is None  # nothing to weigh
+
+
 def test_a_request_aborted_while_staged_leaves_no_pin_and_its_copies_still_serve_the_next():
     """vLLM aborts a request whose lookup said "later": its copies go on (they are promotions like
     any other), nothing stays pinned, and the next request with that prefix loads from tier 0."""

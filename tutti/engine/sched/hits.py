@@ -310,7 +310,7 @@ class HitPlanning:
         if r is None:
             return
         r.async_load = async_load
-        r.block_ids = self._per_group(block_ids)
+        self._set_blocks(r, self._per_group(block_ids))
         self.stats.declined_hit_tokens += r.declined
         for why, n in r.declined_by.items():
             setattr(self.stats, f"declined_{why}_tokens", getattr(self.stats, f"declined_{why}_tokens") + n)

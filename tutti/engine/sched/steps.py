@@ -30,6 +30,24 @@ class StepPlanning:
             raise ValueError(f"block ids for {len(groups)} KV cache groups; this planner has {self.num_groups}")
         return groups
 
+    def _set_blocks(self, r: RequestState, groups: list[list[int]]) -> None:
+        """The request's blocks are now `groups`; counted per distinct block where promote "stage"
+        weighs how short vLLM's blocks are (tiers.py: `_short_of_blocks`)."""
+        if self._block_refs is not None:
+            self._count_blocks(r.block_ids, -1)
+            self._count_blocks(groups, 1)
+        r.block_ids = groups
+
+    def _count_blocks(self, groups, d: int) -> None:
+        refs = self._block_refs
+        for g in groups:
+            for b in g:
+                n = refs.get(b, 0) + d
+                if n > 0:
+                    refs[b] = n
+                else:
+                    refs.pop(b, None)
+
     def _chunk_blocks(self, r: RequestState, c: int, state: bool = False) -> tuple[int, ...]:
         """Chunk c's blocks, group after group (each group's `blocks_per_chunk` of them). With
         state groups, a chunk entry has vLLM's null block for them and a state entry (`state`)
@@ -66,10 +84,13 @@ class StepPlanning:
                 return
             r = self._request(req_id, tokens)
         if all_block_ids is not None:
-            r.block_ids = self._per_group(all_block_ids)
+            self._set_blocks(r, self._per_group(all_block_ids))
         elif new_block_ids:
-            for mine, new in zip(r.block_ids, self._per_group(new_block_ids)):
-                mine.extend(new)
+            new = self._per_group(new_block_ids)
+            if self._block_refs is not None:
+                self._count_blocks(new, 1)
+            for mine, more in zip(r.block_ids, new):
+                mine.extend(more)
 
     def append_tokens(self, req_id: str, tokens: Sequence[int]) -> None:
         """Generated tokens (stored only with store_decode)."""
@@ -229,7 +250,7 @@ class StepPlanning:
         self._drop_unsent(r.loads)
         r.loads = []
         r.computed = 0
-        r.block_ids = [[] for _ in range(self.num_groups)]
+        self._set_blocks(r, [[] for _ in range(self.num_groups)])
         r.hit_chunks = 0
         r.next_store_chunk = 0  # chunks stored meanwhile are skipped as resident or pending
         r.stored_state_upto = 0
@@ -241,6 +262,7 @@ class StepPlanning:
         if r is None:
             return False
         self._backlog -= r.in_backlog  # an aborted prompt no longer waits ahead of anyone
+        self._set_blocks(r, [])
         self._unpin_loads(r.loads)  # planned but never sent (aborted before its step)
         self._drop_unsent(r.loads)
         return r.had_stores

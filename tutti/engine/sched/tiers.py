@@ -176,14 +176,10 @@ class TierPlanning:
     def _short_of_blocks(self, r) -> bool:
         """vLLM's GPU blocks are short: the requests in flight (their distinct blocks) and the hit
         would hold more than `stage_pressure` of them (the key's doc says why). Unknown total: short."""
-        if not self.gpu_blocks or self.stage_pressure <= 0:
+        if self._block_refs is None:
             return True
-        held: set[int] = set()
-        for other in self._reqs.values():
-            for ids in other.block_ids:
-                held.update(ids)
         hit = max(0, r.hit_chunks * self.chunk_tokens - r.local_computed) // self.block_size
-        return len(held) + hit > self.stage_pressure * self.gpu_blocks
+        return len(self._block_refs) + hit > self.stage_pressure * self.gpu_blocks
 
     def _stage_pending(self, r) -> bool:
         """Some of the request's staged chunks are still on their way up (queued or copying), and
