@@ -478,6 +478,39 @@ def test_the_blocks_in_flight_are_counted_as_they_are_allocated_preempted_and_fr
     assert tiered(stage=False, gpu_blocks=100, stage_pressure=0.5)._block_refs is None  # nothing to weigh
 
 
+def test_a_staged_hit_whose_blocks_would_not_fit_stays_deferred_until_they_do(monkeypatch):
+    """Answered while its blocks would not fit, vLLM would fail the request's allocation and stop
+    taking waiting requests at it; on vLLM 0.26 that strands loaded requests queued behind it, with
+    their blocks (vllm-project/vllm#57841). "Later" makes vLLM pass over it instead, until the
+    requests in flight leave room (what they hold and what their prompts still need), or until
+    STAGE_WAIT_S."""
+    import tutti.engine.sched.tiers as tiers_mod
+
+    def staged(gpu_blocks):
+        p = tiered(ram=2, stage=True, gpu_blocks=gpu_blocks, stage_pressure=0)
+        a = list(range(129))  # 5 blocks of 32 tokens
+        stored(p, "a", a, [1, 2, 3, 4, 5])
+        stored(p, "b", list(range(1000, 1129)), [6, 7, 8, 9, 10])  # evicts a's chunks from tier 0
+        p.finished("a"), p.finished("b")
+        # in flight: x holds 6 blocks of a prompt that needs 8 (2 more reserved)
+        p.update_request("x", tokens=list(range(5000, 5256)), all_block_ids=list(range(20, 26)))
+        assert p.match("c", a, 0) is None
+        up = p.build_step({}, {})
+        p.on_report(WorkerReport(stored=[c.ticket for c in up.copies]))  # c's chunks are up
+        return p, a
+    p, a = staged(gpu_blocks=12)  # 12 - 6 held - 2 reserved = 4 free < 5
+    assert p.match("c", a, 0) is None and p.match("c", a, 0) is None
+    p.finished("x")
+    assert p.match("c", a, 0) == 2 * T  # room now: answered, from the first tier
+    p.on_alloc("c", [11, 12, 13, 14, 15], 2 * T)
+    assert [ld.tier for ld in p.build_step({"c": 1}, {"c": 128}).loads] == [0, 0]
+    p, a = staged(gpu_blocks=13)  # 13 - 8 = 5: fits at once
+    assert p.match("c", a, 0) == 2 * T
+    p, a = staged(gpu_blocks=12)
+    monkeypatch.setattr(tiers_mod, "STAGE_WAIT_S", 0.0)
+    assert p.match("c", a, 0) == 2 * T  # waited long enough: answered, and vLLM decides
+
+
 def test_a_request_aborted_while_staged_leaves_no_pin_and_its_copies_still_serve_the_next():
     """vLLM aborts a request whose lookup said "later": its copies go on (they are promotions like
     any other), nothing stays pinned, and the next request with that prefix loads from tier 0."""

@@ -45,11 +45,12 @@ class HitPlanning:
         all but its last block (`_tail`): vLLM then computes block_size tokens instead of a chunk.
 
         None (promote "stage"): ask again later. The hit's chunks in a lower tier are being copied
-        up into the first; meanwhile the request waits without GPU blocks (tiers.py: `_begin_stage`)."""
+        up into the first, or are up while the request's blocks would not fit; meanwhile the
+        request waits without GPU blocks (tiers.py: `_begin_stage`, `_waits_for_blocks`)."""
         r = self._request(req_id, tokens, identity)
         recount = True
         if r.staging:
-            if self._stage_pending(r):
+            if self._stage_pending(r) or self._waits_for_blocks(r, len(tokens), num_computed_tokens):
                 return None
             r.staging, r.staged, recount = (), True, False  # its lookup was counted when staging began
         self._backlog -= r.in_backlog  # looked up again (it waited for room): not queued ahead of itself

@@ -57,7 +57,7 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
         self.gpu_blocks = gpu_blocks  # vLLM's GPU KV blocks in all (0: unknown)
         self.stage_pressure = stage_pressure  # staging only while they are this short (tiers.py: _short_of_blocks)
         # block id -> requests in flight holding it, kept only where that decides something
-        self._block_refs: dict[int, int] | None = {} if self.stage and gpu_blocks and stage_pressure > 0 else None
+        self._block_refs: dict[int, int] | None = {} if self.stage and gpu_blocks else None
         self._stage: list[tuple[bytes, int]] = []  # (key, tier) to copy up for a waiting request
         self._up_in_flight = 0  # copies up (promotions) planned and not reported
         self.tier_stats = TierStats.new(1 + len(self.lower))

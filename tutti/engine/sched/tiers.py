@@ -176,10 +176,27 @@ class TierPlanning:
     def _short_of_blocks(self, r) -> bool:
         """vLLM's GPU blocks are short: the requests in flight (their distinct blocks) and the hit
         would hold more than `stage_pressure` of them (the key's doc says why). Unknown total: short."""
-        if self._block_refs is None:
+        if self._block_refs is None or self.stage_pressure <= 0:
             return True
         hit = max(0, r.hit_chunks * self.chunk_tokens - r.local_computed) // self.block_size
         return len(self._block_refs) + hit > self.stage_pressure * self.gpu_blocks
+
+    def _waits_for_blocks(self, r, n_tokens: int, computed: int) -> bool:
+        """A staged request whose chunks are up waits on (within STAGE_WAIT_S) while its whole
+        sequence would not fit in the blocks the requests in flight leave: those they hold, and
+        those their prompts still need (vLLM reserves them). Answered now, vLLM would
+        fail its allocation and stop taking waiting requests at it, where a "later" makes vLLM pass
+        over it. vLLM 0.26 keeps deferred requests in one queue with loaded ones: stopped at a
+        deferred request, it strands the loaded ones behind it, holding their blocks, and with
+        nothing running nothing frees any (vllm-project/vllm#57841; 0.31 and later take the
+        requests holding blocks first)."""
+        if self._block_refs is None or time.monotonic() - r.staging_since > STAGE_WAIT_S:
+            return False
+        bs = self.block_size
+        need = -(-n_tokens // bs) - computed // bs
+        reserved = sum(max(0, -(-(o.prompt_len or len(o.tokens)) // bs) - len(o.block_ids[0]))
+                       for o in self._reqs.values() if o.block_ids and o.block_ids[0])
+        return need + reserved > self.gpu_blocks - len(self._block_refs)
 
     def _stage_pending(self, r) -> bool:
         """Some of the request's staged chunks are still on their way up (queued or copying), and
