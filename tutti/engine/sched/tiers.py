@@ -189,7 +189,7 @@ class TierPlanning:
         over it. vLLM 0.26 keeps deferred requests in one queue with loaded ones: stopped at a
         deferred request, it strands the loaded ones behind it, holding their blocks, and with
         nothing running nothing frees any (vllm-project/vllm#57841; 0.31 and later take the
-        requests holding blocks first)."""
+        requests holding blocks first; scripts/sched_stall.py shows it on 0.26's scheduler)."""
         if self._block_refs is None or time.monotonic() - r.staging_since > STAGE_WAIT_S:
             return False
         bs = self.block_size
