@@ -498,15 +498,16 @@ def test_a_staged_hit_whose_blocks_would_not_fit_stays_deferred_until_they_do(mo
         up = p.build_step({}, {})
         p.on_report(WorkerReport(stored=[c.ticket for c in up.copies]))  # c's chunks are up
         return p, a
-    p, a = staged(gpu_blocks=12)  # 12 - 6 held - 2 reserved = 4 free < 5
+    p, a = staged(gpu_blocks=12)  # 12 - vLLM's null block - 6 held - 2 reserved = 3 free < 5
     assert p.match("c", a, 0) is None and p.match("c", a, 0) is None
     p.finished("x")
     assert p.match("c", a, 0) == 2 * T  # room now: answered, from the first tier
     p.on_alloc("c", [11, 12, 13, 14, 15], 2 * T)
     assert [ld.tier for ld in p.build_step({"c": 1}, {"c": 128}).loads] == [0, 0]
-    p, a = staged(gpu_blocks=13)  # 13 - 8 = 5: fits at once
+    p, a = staged(gpu_blocks=14)  # 14 - 1 - 8 = 5: fits at once
     assert p.match("c", a, 0) == 2 * T
-    p, a = staged(gpu_blocks=12)
+    p, a = staged(gpu_blocks=13)  # 4 free: waits, but not past STAGE_WAIT_S
+    assert p.match("c", a, 0) is None
     monkeypatch.setattr(tiers_mod, "STAGE_WAIT_S", 0.0)
     assert p.match("c", a, 0) == 2 * T  # waited long enough: answered, and vLLM decides
 

@@ -196,7 +196,7 @@ class TierPlanning:
         need = -(-n_tokens // bs) - computed // bs
         reserved = sum(max(0, -(-(o.prompt_len or len(o.tokens)) // bs) - len(o.block_ids[0]))
                        for o in self._reqs.values() if o.block_ids and o.block_ids[0])
-        return need + reserved > self.gpu_blocks - len(self._block_refs)
+        return need + reserved > self.gpu_blocks - 1 - len(self._block_refs)  # (vLLM's null block is never free)
 
     def _stage_pending(self, r) -> bool:
         """Some of the request's staged chunks are still on their way up (queued or copying), and
