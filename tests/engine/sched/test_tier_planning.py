@@ -483,7 +483,7 @@ def test_a_staged_hit_whose_blocks_would_not_fit_stays_deferred_until_they_do(mo
     taking waiting requests at it; on vLLM 0.26 that strands loaded requests queued behind it, with
     their blocks (vllm-project/vllm#57841). "Later" makes vLLM pass over it instead, until the
     requests in flight leave room (what they hold and what their prompts still need), or until
-    STAGE_WAIT_S."""
+    STAGE_FIT_WAIT_S."""
     import tutti.engine.sched.tiers as tiers_mod
 
     def staged(gpu_blocks):
@@ -506,9 +506,10 @@ def test_a_staged_hit_whose_blocks_would_not_fit_stays_deferred_until_they_do(mo
     assert [ld.tier for ld in p.build_step({"c": 1}, {"c": 128}).loads] == [0, 0]
     p, a = staged(gpu_blocks=14)  # 14 - 1 - 8 = 5: fits at once
     assert p.match("c", a, 0) == 2 * T
-    p, a = staged(gpu_blocks=13)  # 4 free: waits, but not past STAGE_WAIT_S
-    assert p.match("c", a, 0) is None
+    p, a = staged(gpu_blocks=13)  # 4 free: waits, past STAGE_WAIT_S (the copies' deadline) too
     monkeypatch.setattr(tiers_mod, "STAGE_WAIT_S", 0.0)
+    assert p.match("c", a, 0) is None
+    monkeypatch.setattr(tiers_mod, "STAGE_FIT_WAIT_S", 0.0)
     assert p.match("c", a, 0) == 2 * T  # waited long enough: answered, and vLLM decides
 
 

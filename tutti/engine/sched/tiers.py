@@ -53,6 +53,11 @@ DOWN_IN_FLIGHT_MIN = 16
 #: promote "stage": the longest a request waits for its hit's chunks to reach the first tier before
 #: it loads them from where they are (a copier far behind must not hold a request back for long)
 STAGE_WAIT_S = 5.0
+#: ... and the longest one whose chunks are up waits for its whole sequence to fit vLLM's free
+#: blocks (`_waits_for_blocks`): past it, vLLM decides. Long, because on vLLM 0.26 a request that
+#: is answered and does not fit can stall the scheduler (results/sched_stall.md), where waiting
+#: only delays this one request while the others run and free their blocks
+STAGE_FIT_WAIT_S = 60.0
 
 
 @dataclass
@@ -182,7 +187,7 @@ class TierPlanning:
         return len(self._block_refs) + hit > self.stage_pressure * self.gpu_blocks
 
     def _waits_for_blocks(self, r, n_tokens: int, computed: int) -> bool:
-        """A staged request whose chunks are up waits on (within STAGE_WAIT_S) while its whole
+        """A staged request whose chunks are up waits on (within STAGE_FIT_WAIT_S) while its whole
         sequence would not fit in the blocks the requests in flight leave: those they hold, and
         those their prompts still need (vLLM reserves them). Answered now, vLLM would
         fail its allocation and stop taking waiting requests at it, where a "later" makes vLLM pass
@@ -190,7 +195,7 @@ class TierPlanning:
         deferred request, it strands the loaded ones behind it, holding their blocks, and with
         nothing running nothing frees any (vllm-project/vllm#57841; 0.31 and later take the
         requests holding blocks first; scripts/sched_stall.py shows it on 0.26's scheduler)."""
-        if self._block_refs is None or time.monotonic() - r.staging_since > STAGE_WAIT_S:
+        if self._block_refs is None or time.monotonic() - r.staging_since > STAGE_FIT_WAIT_S:
             return False
         bs = self.block_size
         need = -(-n_tokens // bs) - computed // bs
