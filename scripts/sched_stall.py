@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 
 import vllm
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -36,6 +35,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 BS = 16
 STATE = {"step": 0, "guard": False, "defer_until": 0, "sched": None}
+LOADS: dict[str, int] = {}  # request -> the step its asynchronous load began
 
 
 class DeferringConnector(KVConnectorBase_V1):
@@ -73,9 +73,6 @@ class DeferringConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name): ...
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs): ...
     def wait_for_save(self): ...
-
-
-LOADS: dict[str, int] = {}
 
 
 def main() -> None:
