@@ -187,9 +187,12 @@ def disk_state(root: Path) -> tuple[int, int]:
 def kill_mid_write(code: str, watch: Path, *, from_batch: int, by_batch: int,
                    timeout_s: float = 240) -> tuple[list[int], bool]:
     """Run `code` (a server printing "BATCH i" after each batch) in a fresh interpreter and SIGKILL
-    it, once `from_batch` batches are done, at a moment when `watch`'s slabs are being written that
-    its journal does not name yet (a write in flight), or after `by_batch` batches. Returns the
-    batches printed and whether the kill landed mid-write."""
+    it, once `from_batch` batches are done and its journal names something, at a moment when
+    `watch`'s slabs are being written that its journal does not name yet (a write in flight), or
+    after `by_batch` batches (still once something is journaled). A put is journaled only once its
+    bytes are durable, so on a busy machine the journal can trail the batches by seconds: killed
+    before its first record, the kill would test nothing. Returns the batches printed and whether
+    the kill landed mid-write."""
     import signal
     import sys
     import threading
@@ -215,10 +218,11 @@ def kill_mid_write(code: str, watch: Path, *, from_batch: int, by_batch: int,
     try:
         while time.monotonic() < deadline and child.poll() is None:
             now = disk_state(watch)
-            if len(batches) >= from_batch and now[0] > last[0] and now[1] == last[1] and last[0] > 0:
+            journaled = last[1] > 0
+            if len(batches) >= from_batch and journaled and now[0] > last[0] and now[1] == last[1] and last[0] > 0:
                 in_flight_seen = True
                 break
-            if len(batches) >= by_batch:
+            if len(batches) >= by_batch and journaled:
                 break
             last = now
             time.sleep(0.002)
