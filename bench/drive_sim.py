@@ -257,7 +257,7 @@ class GpuKv:
         return True
 
     def release(self, rid: str) -> None:
-        """`rid` gave up its blocks before its prefill ended (declined or rescheduled)."""
+        """`rid` gave up its blocks: it finished, or was not scheduled after all (staged, no room)."""
         self.held.pop(rid, None)
         for h in self.uses.pop(rid, []):
             self.refs[h] -= 1
@@ -275,12 +275,6 @@ class GpuKv:
         if not self.chunks:
             while len(self.cache) > self.cache_chunks:
                 self.cache.popitem(last=False)
-
-    def finished(self, rid: str) -> None:
-        self.release(rid)
-
-    def blocks_in_use(self) -> int:
-        return sum(self.held.values()) + sum(1 for h in self.cache if self.refs.get(h))
 
 
 def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
@@ -495,7 +489,7 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
             planner.on_report(report)
         for rid in [rid for rid, r in active.items() if r.state == "decode" and r.decoded >= a.output_len]:
             r = active.pop(rid)
-            kvc.finished(rid)
+            kvc.release(rid)
             ttfts.append(r.first_token - r.start)
             res.requests += 1
             if planner is not None:

@@ -14,13 +14,12 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sched_stall.py"
 
 
 def test_a_deferred_request_under_kv_pressure_leaves_no_request_stranded(tmp_path):
-    from transformers import LlamaConfig
+    from tutti.tools.demo import make_tiny_model
 
-    LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048).save_pretrained(tmp_path)
+    model = make_tiny_model(tmp_path / "model")  # (only its config is read)
     for guard in ([], ["--guard"]):
         # 23 usable blocks: the two loaders hold 20 of them while the deferred request needs 10
-        p = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path), "--blocks", "24", "--loaders", "2",
+        p = subprocess.run([sys.executable, str(SCRIPT), "--model", str(model), "--blocks", "24", "--loaders", "2",
                             "--defer-steps", "1", "--load-steps", "1", *guard], capture_output=True, text=True,
                            timeout=300, cwd=tmp_path, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
         assert p.returncode == 0, p.stderr[-3000:]
