@@ -12,8 +12,15 @@
    bursts of Python between blocking waits (the load thread: launch checks, checksum combines).
    When the step's thread wakes while a burst runs, it waits for the burst's end or the switch
    interval, whichever comes first: the mean and p99 of the step's time at each interval.
+3. (`--parts yield`) The same step-like loop beside a writer that yields to the hits' reads, as
+   the tiers' copier does before each slice of a copy: reads are always in flight (one lands
+   every `--read-every-s`, the next tracked at once), and the writer waits for them, capped at
+   50 ms, then writes a slice (a GIL-free pause). Polling every 0.5 ms (how the copier waited
+   before `ReadsFirst.wait_idle`, kept here as the baseline) against sleeping on the reads: the
+   step's time, the writer's wake-ups and its thread's CPU seconds.
 
     python3 bench/gil_spin_load.py --out /tmp/gil_spin.json [--tokens 4096] [--intervals 0.005,0.0005,0.0002]
+    python3 bench/gil_spin_load.py --parts yield --out /tmp/gil_yield.json
 """
 
 from __future__ import annotations
@@ -112,6 +119,71 @@ def handoff_part(a, intervals: list[float]) -> list[dict]:
     return out
 
 
+def yield_part(a) -> list[dict]:
+    from tutti.io.queue import IOFuture, IORequest, ReadsFirst
+
+    def python_work(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    buf = bytearray(4096)
+    out = []
+    for _ in range(a.rounds):
+        for mode in ("no writer", "poll", "wait_idle"):
+            stop = threading.Event()
+            rf = ReadsFirst(4096)
+            stats = {"wakeups": 0, "cpu_s": 0.0, "slices": 0}
+
+            def reads() -> None:  # the hits: a read always in flight, one landing every read_every_s
+                while not stop.is_set():
+                    fut = IOFuture(IORequest(0, 0, buf, 0, 4096, "read"))
+                    rf.track([fut])
+                    time.sleep(a.read_every_s)
+                    fut.set_result(4096)
+
+            def writer() -> None:  # the copier: yield to the reads (capped at 50 ms), then a slice
+                c0 = time.thread_time()
+                while not stop.is_set():
+                    if mode == "poll":
+                        end = time.monotonic() + 0.05
+                        while rf.reading() and time.monotonic() < end:
+                            stats["wakeups"] += 1
+                            time.sleep(0.0005)
+                    else:
+                        stats["wakeups"] += 1
+                        rf.wait_idle(0.05)
+                    time.sleep(a.slice_s)  # pwritev of a slice: the GIL released
+                    stats["slices"] += 1
+                stats["cpu_s"] = time.thread_time() - c0
+
+            threads = [threading.Thread(target=reads, daemon=True)]
+            if mode != "no writer":
+                threads.append(threading.Thread(target=writer, daemon=True))
+            for t in threads:
+                t.start()
+            steps = []
+            t_start = time.perf_counter()
+            for _ in range(a.steps):
+                t0 = time.perf_counter()
+                python_work(a.step_python_s)
+                time.sleep(a.step_wait_s)
+                steps.append(time.perf_counter() - t0)
+            wall = time.perf_counter() - t_start
+            stop.set()
+            for t in threads:
+                t.join()
+            steps.sort()
+            ideal = a.step_python_s + a.step_wait_s
+            out.append({"part": "yield", "mode": mode, "step_mean_ms": round(1e3 * statistics.mean(steps), 3),
+                        "step_p99_ms": round(1e3 * steps[int(0.99 * len(steps))], 3),
+                        "mean_over_ideal": round(statistics.mean(steps) / ideal, 3),
+                        "writer_wakeups_per_s": round(stats["wakeups"] / wall), "writer_slices": stats["slices"],
+                        "writer_cpu_s_per_s": round(stats["cpu_s"] / wall, 4)})
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/gil_spin.json")
@@ -125,6 +197,8 @@ def main() -> None:
     ap.add_argument("--step-wait-s", type=float, default=0.005)
     ap.add_argument("--burst-s", type=float, default=0.002)
     ap.add_argument("--burst-gap-s", type=float, default=0.003)
+    ap.add_argument("--read-every-s", type=float, default=0.02, help="yield: a read lands this often")
+    ap.add_argument("--slice-s", type=float, default=0.002, help="yield: a slice's write (GIL-free)")
     a = ap.parse_args()
     intervals = [float(x) for x in a.intervals.split(",")]
     results = []
@@ -132,6 +206,8 @@ def main() -> None:
         results += load_part(a, intervals)
     if "step" in a.parts:
         results += handoff_part(a, intervals)
+    if "yield" in a.parts:
+        results += yield_part(a)
     with open(a.out, "w") as f:
         json.dump({"args": vars(a), "results": results}, f, indent=1)
 

@@ -385,6 +385,47 @@ def test_reads_first_keeps_only_reads_in_flight_while_no_writer_asks():
     assert len(rf._reads) <= 1
 
 
+def test_a_writer_waits_for_reads_asleep_not_polling():
+    """ReadsFirst.wait_idle: a writer yielding to the hits' reads sleeps until the reads land
+    (or its cap passes), whatever order they land in, and wakes about once per read it waits on
+    rather than polling beside the step: counted in calls to done(), not timed."""
+    import threading
+    import time
+
+    from tutti.io.queue import IOFuture, ReadsFirst
+
+    calls = [0]
+
+    class Counted(IOFuture):
+        __slots__ = ()
+
+        def done(self) -> bool:
+            calls[0] += 1
+            return super().done()
+
+    buf = aligned_buffer(4 * KiB)
+    a, b, c = (Counted(IORequest(0, 0, buf, 0, 4 * KiB, "read")) for _ in range(3))
+    rf = ReadsFirst(4 * KiB)
+    assert rf.wait_idle(0.0)  # nothing tracked: at once
+    rf.track([a, b, c])
+    c.set_result(4 * KiB)  # the newest lands first: the writer waits on b, then a
+    assert not rf.wait_idle(0.05)  # the cap passes with reads in flight
+    calls[0] = 0
+
+    def land() -> None:
+        time.sleep(0.2)
+        b.set_result(4 * KiB)
+        time.sleep(0.2)
+        a.set_exception(OSError(5, "EIO"))  # a failed read has landed too
+
+    t = threading.Thread(target=land)
+    t.start()
+    assert rf.wait_idle(30.0) and not rf.reading()
+    t.join()
+    assert a.done() and b.done()
+    assert calls[0] < 40  # polling at 0.5 ms would have asked some 800 times in 0.4 s
+
+
 def test_a_wrapped_queue_hands_every_call_to_the_real_one(tmp_path):
     """WrappedQueue: a subclass sees each request and the bytes still land through the real backend."""
     from tutti.io.queue import READ, WRITE, IORequest, WrappedQueue, open_queue

@@ -112,6 +112,12 @@ class IOFuture:
     def done(self) -> bool:
         return self._event.is_set()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block (the GIL released) until done or `timeout` passes; whether it is done. Makes no
+        progress itself: for a thread other than the one reaping the queue (a writer waiting for
+        the hits' reads), where `result()` would reap on a polling backend."""
+        return self._event.wait(timeout)
+
     def result(self, timeout: float | None = None) -> int:
         if not self._event.is_set():
             if self._waiter is not None:
@@ -355,6 +361,25 @@ class ReadsFirst:
         with self._lock:
             self._drop_landed()
             return bool(self._reads)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block (the GIL released) until no tracked read is in flight or `timeout` passes;
+        whether none is. A writer that yields sleeps on the newest read in flight and wakes once
+        per batch of reads landed, where polling woke its thread every half millisecond beside the
+        step (`bench/gil_spin_load.py --parts yield`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                self._drop_landed()
+                # the newest read not landed: reads land about in order, so the rest land before it
+                newest = next((f for f in reversed(self._reads) if not f.done()), None)
+                if newest is None:
+                    self._reads.clear()
+                    return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            newest.wait(left)
 
     def _drop_landed(self) -> None:
         """Reads land about in the order they were submitted: the done ones are dropped from the

@@ -143,11 +143,8 @@ class TierCopier:
         return spent
 
     def _yield_to_reads(self) -> None:
-        if self.reads is None:
-            return
-        end = time.monotonic() + MAX_YIELD_S
-        while self.reads.reading() and time.monotonic() < end:
-            time.sleep(0.0005)
+        if self.reads is not None:
+            self.reads.wait_idle(MAX_YIELD_S)  # asleep on the reads, not polling them beside the step
 
     def flush(self, timeout: float = 60.0) -> bool:
         return self._thread.flush(timeout)
