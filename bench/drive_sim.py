@@ -156,6 +156,7 @@ class Result:
     staged_hits: int = 0
     load_wait_s: float = 0.0  # seconds requests spent holding GPU blocks while their loads ran (summed)
     queue_wait_s: float = 0.0  # seconds requests spent in vLLM's queue without blocks (summed; --gpu-kv-chunks)
+    decode_only_steps: int = 0  # steps that computed no prompt token (each costs --step-overhead-s)
 
 
 def workload(a, seed: int) -> list[list[int]]:
@@ -429,6 +430,7 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
             step = plan.step
         busy = bool(scheduled)
         dt = a.step_overhead_s + prefill_tokens / a.prefill_tps if busy else a.idle_tick_s
+        res.decode_only_steps += busy and not prefill_tokens
         for r in active.values():
             if r.state == "wait_load":
                 res.load_wait_s += dt

@@ -71,7 +71,11 @@ METRICS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:external
            # tiers' lookups deferred while a chunk comes up from a secondary tier (its CPU-to-GPU
            # load after that is not in it)
            "vllm:tutti_async_wait_seconds", "vllm:tutti_async_waits",
-           "vllm:kv_offload_lookup_async_delay_seconds_sum", "vllm:kv_offload_lookup_async_delay_seconds_count")
+           "vllm:kv_offload_lookup_async_delay_seconds_sum", "vllm:kv_offload_lookup_async_delay_seconds_count",
+           # the engine's steps, and those of at most DECODE_ONLY_TOKENS tokens: with at most that many
+           # requests at once, the steps that computed no prompt token (vLLM's tokens-per-step histogram)
+           "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total:decode_only")
+DECODE_ONLY_TOKENS = 8  # a bucket bound of vllm:iteration_tokens_total: decode-only while --concurrency <= 8
 # one counter with a `reason` label: kept apart per reason, as "NAME:REASON"
 BY_REASON = "vllm:tutti_declined_hit_tokens_by_reason"
 REASONS = ("rate", "queue", "unmeasured", "budget", "state")
@@ -259,7 +263,10 @@ def parse_metrics(text: str) -> dict[str, float]:
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         base = name[:-6] if name.endswith("_total") else name
-        if base == BY_REASON:
+        if name == "vllm:iteration_tokens_total_bucket":
+            m = re.search(r'le="([0-9.]+)"', line)
+            base = "vllm:iteration_tokens_total:decode_only" if m and float(m.group(1)) == DECODE_ONLY_TOKENS else name
+        elif base == BY_REASON:
             m = re.search(r'reason="([a-z]+)"', line)
             base = f"{BY_REASON}:{m.group(1)}" if m else base
         elif base in BY_TIER:
@@ -592,6 +599,12 @@ def disk_cell(d: dict | None) -> str:
     return "-" if not d else f"{d['read_gb']:.1f} / {d['write_gb']:.1f}, {100 * d['busy']:.0f}%"
 
 
+def steps_cell(m: dict) -> str:
+    """The engine's steps, and in brackets those that computed no prompt token ("-": not exported)."""
+    n = m.get("vllm:iteration_tokens_total_count")
+    return "-" if not n else f"{n:.0f} ({m.get('vllm:iteration_tokens_total:decode_only', 0):.0f})"
+
+
 def ttft_cell(r: dict) -> str:
     """TTFT mean / p50 / p90 / p99, then the means of first sends and repeats where the dataset
     says which is which ("-" for what a run did not record)."""
@@ -610,11 +623,11 @@ def table(results: list[dict]) -> str:
             "vLLM prefix-cache hits | stores skipped | tutti host s: worker hooks / threads' CPU (their waits, wall) / "
             "scheduler hooks | GIL held by tutti's threads | tiers: hit tokens 0 / 1, evictions 0 / 1, "
             "write-downs, promotions, dropped | disk: GB read / written, busy | a hit's wait outside the batch, "
-            "mean ms (hits) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "mean ms (hits) | engine steps (decode-only) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | | | | | |")
+            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | | | | | | |")
             continue
         m = r["metrics"]
         ratio = f"{r['request_throughput'] / base['request_throughput']:.2f}" if base and base['request_throughput'] else "-"
@@ -624,7 +637,8 @@ def table(results: list[dict]) -> str:
                     f"{hit:.0f} | {m['vllm:prefix_cache_hits']:.0f} | "
                     f"{m['vllm:tutti_skipped_stores']:.0f} | {m['vllm:tutti_worker_hook_seconds']:.2f} / "
                     f"{m['vllm:tutti_worker_thread_cpu_seconds']:.2f} ({m['vllm:tutti_worker_thread_wait_seconds']:.2f}) / "
-                    f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} | {gil} | {tier_cell(m)} | {disk_cell(r.get('disk'))} | {wait_cell(m)} |")
+                    f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} | {gil} | {tier_cell(m)} | {disk_cell(r.get('disk'))} | {wait_cell(m)} | "
+                    f"{steps_cell(m)} |")
     return "\n".join(rows)
 
 

@@ -96,6 +96,9 @@ def test_a_gpu_kv_budget_queues_requests_and_a_staged_hit_waits_holding_no_block
     assert hits["queue_wait_s"] > 0  # requests waited for blocks
     assert hits["staged_hits"] == 0 and stage["staged_hits"] > 0 and stage["tier_hit_tokens"][0] > 0
     assert stage["load_wait_s"] < hits["load_wait_s"]  # less time holding blocks idle
+    # 36 requests of 64 output tokens, at most 8 at once: decode-only steps between 36 * 64 / 8 and
+    # 36 * 64, and fewer when no hit holds blocks idle while the decodes run alone
+    assert 36 * 64 / 8 <= stage["decode_only_steps"] < hits["decode_only_steps"] <= 36 * 64
     roomy = rows("--gpu-kv-chunks", "400")  # the default stage_pressure: blocks are never short here
     assert roomy["tiered_stage"]["staged_hits"] == 0
     old = rows("--gpu-cache-chunks", "40")  # no budget: requests never wait for blocks, every hit is staged

@@ -281,3 +281,17 @@ def test_staged_hits_are_parsed_and_shown_in_the_tier_cell():
     assert m["vllm:tutti_tier_staged_hits"] == 3
     assert sw.tier_cell(m).endswith("(3 hits staged)")
     assert "staged" not in sw.tier_cell({**m, "vllm:tutti_tier_staged_hits": 0})
+
+
+def test_engine_steps_and_decode_only_steps_come_from_vllms_tokens_per_step_histogram():
+    """vLLM's tokens-per-step histogram: its count is the engine's steps, its bucket of at most 8
+    tokens the steps that computed no prompt token (at most 8 requests at once)."""
+    text = ('vllm:iteration_tokens_total_bucket{engine="0",le="1.0"} 3\n'
+            'vllm:iteration_tokens_total_bucket{engine="0",le="8.0"} 70\n'
+            'vllm:iteration_tokens_total_bucket{engine="0",le="16.0"} 71\n'
+            'vllm:iteration_tokens_total_bucket{engine="0",le="+Inf"} 100\n'
+            'vllm:iteration_tokens_total_count{engine="0"} 100\n'
+            'vllm:iteration_tokens_total_sum{engine="0"} 52000\n')
+    m = sw.parse_metrics(text)
+    assert m["vllm:iteration_tokens_total_count"] == 100 and m["vllm:iteration_tokens_total:decode_only"] == 70
+    assert sw.steps_cell(m) == "100 (70)" and sw.steps_cell(sw.parse_metrics("")) == "-"
