@@ -79,6 +79,10 @@ DECODE_ONLY_TOKENS = 8  # a bucket bound of vllm:iteration_tokens_total: decode-
 # one counter with a `reason` label: kept apart per reason, as "NAME:REASON"
 BY_REASON = "vllm:tutti_declined_hit_tokens_by_reason"
 REASONS = ("rate", "queue", "unmeasured", "budget", "state")
+# vLLM's own account of every prompt token, counted once per request whatever connector served it
+# (lookups asked again do not inflate it, as they do vllm:prefix_cache_*): kept apart per source
+BY_SOURCE = "vllm:prompt_tokens_by_source"
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # counters with a `tier` label (tutti's tiers): kept apart per tier, as "NAME:TIER"
 BY_TIER = ("vllm:tutti_tier_hit_tokens", "vllm:tutti_tier_evictions", "vllm:tutti_tier_writedowns")
 TIERS = ("0", "1")
@@ -257,6 +261,7 @@ def scrape(port: int) -> dict[str, float]:
 def parse_metrics(text: str) -> dict[str, float]:
     """METRICS from Prometheus text, each summed over its label sets (`_total` or not)."""
     out = dict.fromkeys(METRICS + tuple(f"{BY_REASON}:{r}" for r in REASONS) + TIER_TOTALS
+                        + tuple(f"{BY_SOURCE}:{src}" for src in SOURCES)
                         + tuple(f"{n}:{t}" for n in BY_TIER for t in TIERS), 0.0)
     for line in text.splitlines():
         if line.startswith("#") or " " not in line:
@@ -266,6 +271,9 @@ def parse_metrics(text: str) -> dict[str, float]:
         if name == "vllm:iteration_tokens_total_bucket":
             m = re.search(r'le="([0-9.]+)"', line)
             base = "vllm:iteration_tokens_total:decode_only" if m and float(m.group(1)) == DECODE_ONLY_TOKENS else name
+        elif base == BY_SOURCE:
+            m = re.search(r'source="([a-z_]+)"', line)
+            base = f"{BY_SOURCE}:{m.group(1)}" if m else base
         elif base == BY_REASON:
             m = re.search(r'reason="([a-z]+)"', line)
             base = f"{BY_REASON}:{m.group(1)}" if m else base
@@ -599,6 +607,13 @@ def disk_cell(d: dict | None) -> str:
     return "-" if not d else f"{d['read_gb']:.1f} / {d['write_gb']:.1f}, {100 * d['busy']:.0f}%"
 
 
+def sources_cell(m: dict) -> str:
+    """Prompt tokens computed / from vLLM's GPU prefix cache / from the connector, as vLLM counts
+    them once per request ("-": not exported)."""
+    got = [m.get(f"{BY_SOURCE}:{src}", 0) for src in SOURCES]
+    return "-" if not any(got) else " / ".join(f"{x:.0f}" for x in got)
+
+
 def steps_cell(m: dict) -> str:
     """The engine's steps, and in brackets those that computed no prompt token ("-": not exported)."""
     n = m.get("vllm:iteration_tokens_total_count")
@@ -623,11 +638,11 @@ def table(results: list[dict]) -> str:
             "vLLM prefix-cache hits | stores skipped | tutti host s: worker hooks / threads' CPU (their waits, wall) / "
             "scheduler hooks | GIL held by tutti's threads | tiers: hit tokens 0 / 1, evictions 0 / 1, "
             "write-downs, promotions, dropped | disk: GB read / written, busy | a hit's wait outside the batch, "
-            "mean ms (hits) | engine steps (decode-only) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "mean ms (hits) | engine steps (decode-only) | prompt tokens computed / GPU cache / connector |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | | | | | | |")
+            rows.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | | | | | | | | |")
             continue
         m = r["metrics"]
         ratio = f"{r['request_throughput'] / base['request_throughput']:.2f}" if base and base['request_throughput'] else "-"
@@ -638,7 +653,7 @@ def table(results: list[dict]) -> str:
                     f"{m['vllm:tutti_skipped_stores']:.0f} | {m['vllm:tutti_worker_hook_seconds']:.2f} / "
                     f"{m['vllm:tutti_worker_thread_cpu_seconds']:.2f} ({m['vllm:tutti_worker_thread_wait_seconds']:.2f}) / "
                     f"{m['vllm:tutti_scheduler_hook_seconds']:.2f} | {gil} | {tier_cell(m)} | {disk_cell(r.get('disk'))} | {wait_cell(m)} | "
-                    f"{steps_cell(m)} |")
+                    f"{steps_cell(m)} | {sources_cell(m)} |")
     return "\n".join(rows)
 
 

@@ -295,3 +295,14 @@ def test_engine_steps_and_decode_only_steps_come_from_vllms_tokens_per_step_hist
     m = sw.parse_metrics(text)
     assert m["vllm:iteration_tokens_total_count"] == 100 and m["vllm:iteration_tokens_total:decode_only"] == 70
     assert sw.steps_cell(m) == "100 (70)" and sw.steps_cell(sw.parse_metrics("")) == "-"
+
+
+def test_prompt_tokens_are_kept_apart_by_the_source_vllm_counts():
+    """vLLM counts each prompt token once, by where it came from: computed, its own GPU prefix
+    cache, or the connector; summed over engines, kept apart by source."""
+    text = ('vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 700\n'
+            'vllm:prompt_tokens_by_source_total{engine="1",model_name="m",source="local_compute"} 300\n'
+            'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 64\n'
+            'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 2048\n')
+    m = sw.parse_metrics(text)
+    assert sw.sources_cell(m) == "1000 / 64 / 2048" and sw.sources_cell(sw.parse_metrics("")) == "-"

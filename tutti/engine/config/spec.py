@@ -204,8 +204,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "up before it loads, the request waiting without GPU blocks meanwhile (as vLLM's own tiering does: a hit "
         "loading from the drive holds its blocks idle for the read; 17% of the GPU KV cache in "
         "`scripts/gpu_tiers.sh 9`, results/tiers.md), then loads them from the first tier (it halved the idle blocks "
-        "and served the same as \"hits\" in `scripts/gpu_tiers.sh 11` and `12`: its copies push other chunks out "
-        "of the first tier); \"off\" leaves the first tier to new chunks: "
+        "and served the same as \"hits\" in `scripts/gpu_tiers.sh 11` and `12`); \"off\" leaves the first tier to new chunks: "
         "the chunk a hit loaded is in vLLM's GPU cache by then, so its copy in RAM serves only once vLLM evicts it "
         "(bench/drive_sim.py's model serves a few percent more without; `scripts/gpu_tiers.sh 5` served the "
         "same either way: results/tiers.md).", "hits",
