@@ -5,7 +5,9 @@ core in its own process, vLLM's default mode). The servers start together (an 8B
 takes about two minutes in default mode), then each case in turn runs `vllm bench serve` against
 its server alone, with `/metrics` scraped before and after, and prints one JSON line; the driver
 writes one table (JSON and Markdown) with every figure as a ratio to the no-connector case of the
-same run. `--sequential` starts each server only after the last one stopped.
+same run. Besides the connectors' counters it keeps vLLM's own account of the engine's steps
+(and those that computed no prompt token) and of every prompt token by source (computed, vLLM's
+GPU prefix cache, the connector), alike for every case. `--sequential` starts each server only after the last one stopped.
 
 Cases: `none` (no connector), `none_gpu` (no connector, vLLM's GPU KV cache given `--capacity`
 instead of `--kv-cache-bytes`: every repeat is a prefix-cache hit of vLLM's own and nothing is
