@@ -429,7 +429,8 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
                     drive.up.append([c.ticket, chunk_bytes, "r", None])
             step = plan.step
         busy = bool(scheduled)
-        dt = a.step_overhead_s + prefill_tokens / a.prefill_tps if busy else a.idle_tick_s
+        decodes = sum(1 for rid in scheduled if active[rid].state == "decode")
+        dt = a.step_overhead_s + decodes * a.decode_s + prefill_tokens / a.prefill_tps if busy else a.idle_tick_s
         res.decode_only_steps += busy and not prefill_tokens
         for r in active.values():
             if r.state == "wait_load":
@@ -520,6 +521,8 @@ def main() -> None:
     ap.add_argument("--prefill-tps", type=float, default=40000.0,
                     help="the GPU's prefill rate (tokens/s; with the defaults no connector takes 25 s, on the H200 23.5 s)")
     ap.add_argument("--step-overhead-s", type=float, default=0.006, help="a step's time besides its prompt tokens")
+    ap.add_argument("--decode-s", type=float, default=0.0,
+                    help="a step's time per request decoding in it (0: a decode costs only the step's overhead)")
     ap.add_argument("--idle-tick-s", type=float, default=0.002, help="the engine loop's tick with nothing scheduled")
     ap.add_argument("--step-tokens", type=int, default=8192)
     ap.add_argument("--concurrency", type=int, default=8)

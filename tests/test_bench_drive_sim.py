@@ -104,3 +104,18 @@ def test_a_gpu_kv_budget_queues_requests_and_a_staged_hit_waits_holding_no_block
     old = rows("--gpu-cache-chunks", "40")  # no budget: requests never wait for blocks, every hit is staged
     assert old["tiered"]["queue_wait_s"] == 0 and old["tiered"]["load_wait_s"] > 0
     assert old["tiered_stage"]["staged_hits"] > 0
+
+
+def test_a_decode_cost_lengthens_the_steps_that_decode(tmp_path):
+    """--decode-s: each request decoding in a step adds to it, with and without a connector; 0 (the
+    default) leaves a decode only the step's overhead, as every earlier figure of the model."""
+    def row(decode_s):
+        out = tmp_path / f"d{decode_s}.json"
+        subprocess.run([sys.executable, os.path.join(ROOT, "bench", "drive_sim.py"), "--drive-gbps", "1.6", "--seeds", "1",
+                        "--num-prefixes", "12", "--repeats", "3", "--admissions", "all", "--gpu-cache-chunks", "40",
+                        "--decode-s", str(decode_s), "--out", str(out)], check=True, capture_output=True, timeout=300)
+        return json.load(open(out))["rows"][0]
+    free, dear = row(0), row(0.002)
+    # 36 requests of 64 output tokens, one from its prefill: 36 * 63 decodes of 2 ms each (4.5 s)
+    assert dear["none_makespan_s"] >= free["none_makespan_s"] + 0.9 * 36 * 63 * 0.002
+    assert dear["makespan_s"] > free["makespan_s"]
