@@ -473,8 +473,13 @@ def test_the_blocks_in_flight_are_counted_as_they_are_allocated_preempted_and_fr
     p.preempted("y")  # its blocks are freed; x still holds 1 and 2
     assert sorted(p._block_refs) == [1, 2, 3, 5]
     p.on_alloc("y", [6, 7], 0)  # resumed with new blocks
+    # the blocks their prompts still need (200 tokens: 7 blocks of 32): x holds 4, y 2
+    assert p._reserved_blocks == (7 - 4) + (7 - 2)
     p.finished("x")
-    assert sorted(p._block_refs) == [6, 7]
+    assert sorted(p._block_refs) == [6, 7] and p._reserved_blocks == 7 - 2
+    p.update_request("y", new_block_ids=list(range(8, 14)))  # past its prompt: nothing more to come
+    p.preempted("y")
+    assert p._reserved_blocks == 0 and not p._block_refs
     assert tiered(stage=False, gpu_blocks=100, stage_pressure=0.5)._block_refs is None  # nothing to weigh
 
 

@@ -58,6 +58,8 @@ class Planner(HitPlanning, StepPlanning, TierPlanning):
         self.stage_pressure = stage_pressure  # staging only while they are this short (tiers.py: _short_of_blocks)
         # block id -> requests in flight holding it, kept only where that decides something
         self._block_refs: dict[int, int] | None = {} if self.stage and gpu_blocks else None
+        # ... and the blocks their prompts still need beyond those (vLLM reserves them), summed
+        self._reserved_blocks = 0
         self._stage: list[tuple[bytes, int]] = []  # (key, tier) to copy up for a waiting request
         self._up_in_flight = 0  # copies up (promotions) planned and not reported
         self.tier_stats = TierStats.new(1 + len(self.lower))

@@ -31,12 +31,22 @@ class StepPlanning:
         return groups
 
     def _set_blocks(self, r: RequestState, groups: list[list[int]]) -> None:
-        """The request's blocks are now `groups`; counted per distinct block where promote "stage"
-        weighs how short vLLM's blocks are (tiers.py: `_short_of_blocks`)."""
+        """The request's blocks are now `groups`; counted per distinct block, with the blocks its
+        prompt still needs, where promote "stage" weighs how short vLLM's blocks are (tiers.py:
+        `_short_of_blocks`, `_waits_for_blocks`)."""
         if self._block_refs is not None:
             self._count_blocks(r.block_ids, -1)
             self._count_blocks(groups, 1)
+            self._reserved_blocks -= self._blocks_to_come(r)
         r.block_ids = groups
+        if self._block_refs is not None:
+            self._reserved_blocks += self._blocks_to_come(r)
+
+    def _blocks_to_come(self, r: RequestState) -> int:
+        """Blocks the request's prompt needs beyond those it holds: vLLM reserves them for a request
+        it admitted (none for one that holds no block yet)."""
+        held = r.block_ids[0] if r.block_ids else None
+        return max(0, -(-r.prompt_len // self.block_size) - len(held)) if held else 0
 
     def _count_blocks(self, groups, d: int) -> None:
         refs = self._block_refs
@@ -89,8 +99,11 @@ class StepPlanning:
             new = self._per_group(new_block_ids)
             if self._block_refs is not None:
                 self._count_blocks(new, 1)
+                self._reserved_blocks -= self._blocks_to_come(r)
             for mine, more in zip(r.block_ids, new):
                 mine.extend(more)
+            if self._block_refs is not None:
+                self._reserved_blocks += self._blocks_to_come(r)
 
     def append_tokens(self, req_id: str, tokens: Sequence[int]) -> None:
         """Generated tokens (stored only with store_decode)."""

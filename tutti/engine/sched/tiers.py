@@ -197,11 +197,9 @@ class TierPlanning:
         requests holding blocks first; scripts/sched_stall.py shows it on 0.26's scheduler)."""
         if self._block_refs is None or time.monotonic() - r.staging_since > STAGE_FIT_WAIT_S:
             return False
-        bs = self.block_size
-        need = -(-n_tokens // bs) - computed // bs
-        reserved = sum(max(0, -(-(o.prompt_len or len(o.tokens)) // bs) - len(o.block_ids[0]))
-                       for o in self._reqs.values() if o.block_ids and o.block_ids[0])
-        return need + reserved > self.gpu_blocks - 1 - len(self._block_refs)  # (vLLM's null block is never free)
+        need = -(-n_tokens // self.block_size) - computed // self.block_size
+        # what the requests in flight hold and still need: kept as vLLM reports blocks (steps.py)
+        return need + self._reserved_blocks > self.gpu_blocks - 1 - len(self._block_refs)  # (vLLM's null block is never free)
 
     def _stage_pending(self, r) -> bool:
         """Some of the request's staged chunks are still on their way up (queued or copying), and
