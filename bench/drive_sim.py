@@ -373,11 +373,12 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
                 schedule(r)
         # one step: decodes first, then prompts in arrival order, within the token budget; then
         # waiting requests in arrival order while blocks and budget last (vLLM's scheduler)
-        budget, scheduled, before, prefill_tokens = a.step_tokens, {}, {}, 0
+        budget, scheduled, before, prefill_tokens, decodes = a.step_tokens, {}, {}, 0, 0
         for r in active.values():
             if r.state == "decode" and budget > 0:
                 scheduled[r.rid], before[r.rid] = 1, r.computed
                 budget -= 1
+                decodes += 1
         def prefill(r: Req) -> None:
             nonlocal budget, prefill_tokens
             n = min(len(r.tokens) - r.computed, budget)
@@ -429,7 +430,6 @@ def run(a, admission: str, seed: int, stores: str = "disk") -> Result:
                     drive.up.append([c.ticket, chunk_bytes, "r", None])
             step = plan.step
         busy = bool(scheduled)
-        decodes = sum(1 for rid in scheduled if active[rid].state == "decode")
         dt = a.step_overhead_s + decodes * a.decode_s + prefill_tokens / a.prefill_tps if busy else a.idle_tick_s
         res.decode_only_steps += busy and not prefill_tokens
         for r in active.values():

@@ -38,6 +38,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 
+def python_work(seconds: float) -> None:
+    """Hold the GIL for `seconds`, as Python code does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def spin(stop: threading.Event) -> None:
     x = 0
     while not stop.is_set():
@@ -83,11 +90,6 @@ def load_part(a, intervals: list[float]) -> list[dict]:
 
 
 def handoff_part(a, intervals: list[float]) -> list[dict]:
-    def python_work(seconds: float) -> None:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
-
     out = []
     for _ in range(a.rounds):
         for iv in [0.005] + intervals:
@@ -121,11 +123,6 @@ def handoff_part(a, intervals: list[float]) -> list[dict]:
 
 def yield_part(a) -> list[dict]:
     from tutti.io.queue import IOFuture, IORequest, ReadsFirst
-
-    def python_work(seconds: float) -> None:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
 
     buf = bytearray(4096)
     out = []

@@ -88,6 +88,8 @@ SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # counters with a `tier` label (tutti's tiers): kept apart per tier, as "NAME:TIER"
 BY_TIER = ("vllm:tutti_tier_hit_tokens", "vllm:tutti_tier_evictions", "vllm:tutti_tier_writedowns")
 TIERS = ("0", "1")
+# each counter kept apart by one label -> that label (the values kept: REASONS, SOURCES, TIERS)
+KEPT_APART = {BY_REASON: "reason", BY_SOURCE: "source", **{n: "tier" for n in BY_TIER}}
 TIER_TOTALS = ("vllm:tutti_tier_promotions", "vllm:tutti_tier_dropped", "vllm:tutti_tier_staged_hits")
 
 
@@ -273,14 +275,8 @@ def parse_metrics(text: str) -> dict[str, float]:
         if name == "vllm:iteration_tokens_total_bucket":
             m = re.search(r'le="([0-9.]+)"', line)
             base = "vllm:iteration_tokens_total:decode_only" if m and float(m.group(1)) == DECODE_ONLY_TOKENS else name
-        elif base == BY_SOURCE:
-            m = re.search(r'source="([a-z_]+)"', line)
-            base = f"{BY_SOURCE}:{m.group(1)}" if m else base
-        elif base == BY_REASON:
-            m = re.search(r'reason="([a-z]+)"', line)
-            base = f"{BY_REASON}:{m.group(1)}" if m else base
-        elif base in BY_TIER:
-            m = re.search(r'tier="([0-9]+)"', line)
+        elif base in KEPT_APART:
+            m = re.search(f'{KEPT_APART[base]}="([^"]*)"', line)
             base = f"{base}:{m.group(1)}" if m else base
         if base in out:
             try:
