@@ -630,9 +630,17 @@ def ttft_cell(r: dict) -> str:
     return cell
 
 
+def tpot_cell(r: dict) -> str:
+    """TPOT beside the mean request latency: with --concurrency clients each sending its next request
+    when the last ends, req/s is about concurrency / latency, so a longer TTFT paid back by a shorter
+    decode costs nothing (results/tiers.md, "A request's whole latency")."""
+    cell = f"{r['mean_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f}"
+    return cell + (f"; {r['mean_e2el_ms']:.0f}" if r.get("mean_e2el_ms") is not None else "")
+
+
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["case"] == "none" and "error" not in r), None)
-    rows = ["| case | req/s | x none | TTFT mean / p50 / p90 / p99 (ms); mean of first sends / repeats | TPOT mean / p99 (ms) | hit tokens (connector) | "
+    rows = ["| case | req/s | x none | TTFT mean / p50 / p90 / p99 (ms); mean of first sends / repeats | TPOT mean / p99 (ms); a request's latency, mean (ms) | hit tokens (connector) | "
             "vLLM prefix-cache hits | stores skipped | tutti host s: worker hooks / threads' CPU (their waits, wall) / "
             "scheduler hooks | GIL held by tutti's threads | tiers: hit tokens 0 / 1, evictions 0 / 1, "
             "write-downs, promotions, dropped | disk: GB read / written, busy | a hit's wait outside the batch, "
@@ -646,7 +654,7 @@ def table(results: list[dict]) -> str:
         ratio = f"{r['request_throughput'] / base['request_throughput']:.2f}" if base and base['request_throughput'] else "-"
         hit = m["vllm:tutti_hit_tokens"] or m["vllm:external_prefix_cache_hits"]
         gil = f"{100 * tutti_share(r['gil']):.1f}%" if "gil" in r else "-"
-        rows.append(f"| {r['case']} | {r['request_throughput']:.2f} | {ratio} | {ttft_cell(r)} | {r['mean_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
+        rows.append(f"| {r['case']} | {r['request_throughput']:.2f} | {ratio} | {ttft_cell(r)} | {tpot_cell(r)} | "
                     f"{hit:.0f} | {m['vllm:prefix_cache_hits']:.0f} | "
                     f"{m['vllm:tutti_skipped_stores']:.0f} | {m['vllm:tutti_worker_hook_seconds']:.2f} / "
                     f"{m['vllm:tutti_worker_thread_cpu_seconds']:.2f} ({m['vllm:tutti_worker_thread_wait_seconds']:.2f}) / "

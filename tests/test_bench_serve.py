@@ -275,6 +275,12 @@ def test_the_ttft_cell_adds_the_p90_and_first_sends_against_repeats_where_record
     assert sw.ttft_cell(r) == "596 / 290 / 1500 / 4158; 1800 / 230"
 
 
+def test_the_tpot_cell_adds_a_requests_mean_latency_where_recorded():
+    r = {"mean_tpot_ms": 19.24, "p99_tpot_ms": 30.0}
+    assert sw.tpot_cell(r) == "19.2 / 30.0"
+    assert sw.tpot_cell({**r, "mean_e2el_ms": 2618.5}) == "19.2 / 30.0; 2618"
+
+
 def test_staged_hits_are_parsed_and_shown_in_the_tier_cell():
     m = sw.parse_metrics('vllm:tutti_tier_hit_tokens_total{tier="0"} 544\n'
                          'vllm:tutti_tier_staged_hits_total{engine="0"} 3\n')
