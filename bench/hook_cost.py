@@ -8,6 +8,14 @@ with nothing to load or store, and prints microseconds per step: the floor tutti
 
     python3 bench/hook_cost.py                 # the best of 3 repeats, 300 steps each
     python3 bench/hook_cost.py --json out.json
+    python3 bench/hook_cost.py --workload prefixes --tiers   # long prompts sent again: lookups,
+                                                             # hits, stores, a RAM tier over a disk one
+
+`--workload prefixes` is the serving benchmark's load in small: `--num-prefixes` prompts of
+`--prefix-len` tokens each sent `--sends` times (a new suffix each time), `--requests` at a time,
+vLLM's own cache held to `--gpu-blocks` blocks so that repeats reach tutti, chunks of
+`--chunk-tokens`. It prints microseconds per step and per call, hook by hook: where the
+scheduler's share of tutti's host time (`vllm:tutti_scheduler_hook_seconds`) goes.
 
 Compare two commits in one sitting (the machine's speed drifts between sittings): run it at
 each, alternating, and compare the totals.
@@ -59,8 +67,18 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=300, help="generated tokens per request (decode steps)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workload", choices=("decode", "prefixes"), default="decode")
+    ap.add_argument("--num-prefixes", type=int, default=16)
+    ap.add_argument("--prefix-len", type=int, default=4096)
+    ap.add_argument("--suffix-len", type=int, default=64)
+    ap.add_argument("--sends", type=int, default=4)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--gpu-blocks", type=int, default=512, help="vLLM's own KV cache, in blocks (prefixes workload)")
+    ap.add_argument("--tiers", action="store_true", help="a RAM tier (a quarter of the prefixes) over a disk tier")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    if a.workload == "prefixes":
+        return prefixes(a)
     import harness
 
     harness.set_env()
@@ -95,6 +113,64 @@ def main() -> None:
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"best": best, "runs": runs}, f, indent=1)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def prefixes(a) -> None:
+    """Long prompts sent again, `--requests` at a time: each hook's time per step and per call."""
+    import random
+
+    import harness
+    harness.set_env()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import TokensPrompt
+
+    from tutti.vllm.connector import TuttiConnectorV1
+
+    spent, calls = collections.Counter(), collections.Counter()
+    instrument(TuttiConnectorV1, spent, calls)
+    work = tempfile.mkdtemp(prefix="tutti-hook-cost-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        max_len = a.prefix_len + a.suffix_len + a.tokens + 64
+        model = harness.make_tiny_model(os.path.join(work, "model"), max_position=max_len)
+        chunk_bytes = 2 * 2 * 128 * 4 * a.chunk_tokens  # the tiny model: 2 layers, K and V, hidden 128, fp32
+        if a.tiers:
+            ram = max(1, a.num_prefixes // 4) * (a.prefix_len // a.chunk_tokens) * chunk_bytes
+            kv = harness.kv_config(os.path.join(work, "ram"), chunk=a.chunk_tokens, capacity=ram, hit_policy="auto")
+            extra = kv["kv_connector_extra_config"]
+            extra.pop("root"), extra.pop("capacity_bytes")
+            extra["tiers"] = [{"root": os.path.join(work, "ram"), "capacity_bytes": ram},
+                              {"root": os.path.join(work, "disk"), "capacity_bytes": "1GiB"}]
+        else:
+            kv = harness.kv_config(os.path.join(work, "root"), chunk=a.chunk_tokens, capacity="1GiB", hit_policy="auto")
+        llm = harness.make_llm(model, kv_transfer_config=kv, max_num_seqs=a.requests, max_model_len=max_len,
+                               max_num_batched_tokens=max(2048, a.chunk_tokens), num_gpu_blocks_override=a.gpu_blocks)
+        llm.generate([TokensPrompt(prompt_token_ids=harness.prompt(7, 300))], harness.greedy(4), use_tqdm=False)
+        runs = []
+        for rep in range(a.repeats):
+            spent.clear()
+            calls.clear()
+            heads = [harness.prompt(1000 * (rep + 1) + i, a.prefix_len) for i in range(a.num_prefixes)]
+            order = [i for i in range(a.num_prefixes) for _ in range(a.sends)]
+            random.Random(rep).shuffle(order)
+            reqs = [heads[i] + harness.prompt(10 ** 6 + 100 * rep + n, a.suffix_len) for n, i in enumerate(order)]
+            t0 = time.perf_counter()
+            llm.generate([TokensPrompt(prompt_token_ids=r) for r in reqs], harness.greedy(a.tokens), use_tqdm=False)
+            wall = time.perf_counter() - t0
+            steps = max(1, calls["build_connector_meta"])
+            runs.append({"steps": steps, "wall_s": round(wall, 2), "us_per_step": round(sum(spent.values()) / steps * 1e6, 1),
+                         "hooks": {k: {"us_per_step": round(v / steps * 1e6, 1), "calls": calls[k],
+                                       "us_per_call": round(v / max(calls[k], 1) * 1e6, 1)}
+                                   for k, v in spent.most_common()}})
+        best = min(runs, key=lambda r: r["us_per_step"])
+        print(f"tutti host time: {best['us_per_step']} us per step over {best['steps']} steps, {best['wall_s']} s "
+              f"(best of {a.repeats}: {[r['us_per_step'] for r in runs]})")
+        for k, v in best["hooks"].items():
+            print(f"  {k:32s} {v['us_per_step']:8.1f} us a step  {v['calls']:6d} calls  {v['us_per_call']:8.1f} us a call")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"args": vars(a), "best": best, "runs": runs}, f, indent=1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

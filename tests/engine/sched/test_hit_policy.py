@@ -579,3 +579,39 @@ def test_the_probe_rate_discounted_chooses_the_first_hit_as_the_measured_rate_wo
     assert raw > discounted and abs(discounted - measured) < abs(raw - measured)
     true = Rates(2.14e9, prefill)
     assert CostModel.time(query, true, discounted) < CostModel.time(query, true, raw)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_the_one_loop_cost_is_the_models_cost_to_the_last_bit(asynchronous):
+    """`CostModel.costs` (every candidate in one loop, what `decide` uses) gives the very floats
+    of `CostModel.cost`, so the policy's choices are the model's whatever the rates, the context,
+    the attention weight or the batch; and decide picks what the reference loop picks."""
+    rng = random.Random(7 if asynchronous else 8)
+
+    def reference(qq, rates):
+        best_m, best_t = 0, CostModel.cost(qq, rates, 0)
+        for m in candidates(qq):
+            t = CostModel.cost(qq, rates, m)
+            if t <= best_t * (1 + 1e-9):
+                best_m, best_t = m, t
+        return best_m
+
+    chosen = set()
+    for _ in range(400):
+        prompt = rng.randrange(300, 40000)
+        hit = rng.randrange(1, prompt)
+        qq = HitQuery(hit_tokens=hit, prompt_tokens=prompt, chunk_tokens=rng.choice([64, 256, 1024]),
+                      bytes_per_token=rng.choice([B8, 81920, 4096]), step_tokens=rng.choice([0, 512, 2048, 8192]),
+                      asynchronous=asynchronous, max_load_tokens=rng.choice([None, hit // 2]),
+                      context_tokens=rng.choice([0, 0, rng.randrange(0, 8192)]), attention_weight=rng.choice([0.0, W8]))
+        rates = Rates(load_bytes_per_s=10 ** rng.uniform(8.5, 10.7), prefill_tokens_per_s=10 ** rng.uniform(3.5, 5),
+                      queued_load_bytes=rng.choice([0, rng.randrange(0, 1 << 32)]),
+                      prefill_backlog_tokens=rng.choice([0, rng.randrange(0, 100000)]),
+                      load_overhead_s=rng.choice([0.0, rng.uniform(0, 0.05)]), step_s=rng.uniform(0, 0.05),
+                      batch_requests=rng.choice([-1, 0, 3, 7]), layerwise_extra_s=rng.choice([-0.01, 0.0, 0.06]))
+        ms = candidates(qq)
+        assert CostModel.costs(qq, rates, ms) == [CostModel.cost(qq, rates, m) for m in ms]
+        got = CostModel().decide(qq, rates)
+        assert got == reference(qq, rates)
+        chosen.add("none" if got == 0 else "all" if got == max(ms, default=0) else "part")
+    assert chosen == {"none", "all", "part"}  # the draws reach every kind of choice
