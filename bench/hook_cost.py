@@ -117,8 +117,9 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def prefixes(a) -> None:
-    """Long prompts sent again, `--requests` at a time: each hook's time per step and per call."""
+def prefixes(a) -> dict:
+    """Long prompts sent again, `--requests` at a time: each hook's time per step and per call,
+    and what tutti served (its stats' hit and stored counts over the runs)."""
     import random
 
     import harness
@@ -148,9 +149,11 @@ def prefixes(a) -> None:
                                max_num_batched_tokens=max(2048, a.chunk_tokens), num_gpu_blocks_override=a.gpu_blocks)
         llm.generate([TokensPrompt(prompt_token_ids=harness.prompt(7, 300))], harness.greedy(4), use_tqdm=False)
         runs = []
+        stats = harness.connector(llm).planner.stats
         for rep in range(a.repeats):
             spent.clear()
             calls.clear()
+            before = stats.copy()
             heads = [harness.prompt(1000 * (rep + 1) + i, a.prefix_len) for i in range(a.num_prefixes)]
             order = [i for i in range(a.num_prefixes) for _ in range(a.sends)]
             random.Random(rep).shuffle(order)
@@ -159,7 +162,10 @@ def prefixes(a) -> None:
             llm.generate([TokensPrompt(prompt_token_ids=r) for r in reqs], harness.greedy(a.tokens), use_tqdm=False)
             wall = time.perf_counter() - t0
             steps = max(1, calls["build_connector_meta"])
-            runs.append({"steps": steps, "wall_s": round(wall, 2), "us_per_step": round(sum(spent.values()) / steps * 1e6, 1),
+            served = stats.since(before)
+            runs.append({"steps": steps, "wall_s": round(wall, 2), "requests": len(reqs),
+                         "tutti": {k: served.get(k, 0) for k in ("hit_tokens", "stores_committed", "stores_skipped")},
+                         "us_per_step": round(sum(spent.values()) / steps * 1e6, 1),
                          "hooks": {k: {"us_per_step": round(v / steps * 1e6, 1), "calls": calls[k],
                                        "us_per_call": round(v / max(calls[k], 1) * 1e6, 1)}
                                    for k, v in spent.most_common()}})
@@ -168,9 +174,12 @@ def prefixes(a) -> None:
               f"(best of {a.repeats}: {[r['us_per_step'] for r in runs]})")
         for k, v in best["hooks"].items():
             print(f"  {k:32s} {v['us_per_step']:8.1f} us a step  {v['calls']:6d} calls  {v['us_per_call']:8.1f} us a call")
+        out = {"args": vars(a), "best": best, "runs": runs}
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"args": vars(a), "best": best, "runs": runs}, f, indent=1)
+                json.dump(out, f, indent=1)
+        harness.shutdown_llm(llm)
+        return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
