@@ -30,16 +30,23 @@ class StepPlanning:
             raise ValueError(f"block ids for {len(groups)} KV cache groups; this planner has {self.num_groups}")
         return groups
 
-    def _set_blocks(self, r: RequestState, groups: list[list[int]]) -> None:
-        """The request's blocks are now `groups`; counted per distinct block, with the blocks its
-        prompt still needs, where promote "stage" weighs how short vLLM's blocks are (tiers.py:
-        `_short_of_blocks`, `_waits_for_blocks`)."""
-        if self._block_refs is not None:
-            self._count_blocks(r.block_ids, -1)
+    def _set_blocks(self, r: RequestState, groups: list[list[int]], *, extend: bool = False) -> None:
+        """The request's blocks are now `groups` (with `extend`: its blocks and then `groups`'s,
+        group by group); counted per distinct block, with the blocks its prompt still needs, where
+        promote "stage" weighs how short vLLM's blocks are (tiers.py: `_short_of_blocks`,
+        `_waits_for_blocks`)."""
+        counting = self._block_refs is not None
+        if counting:
+            if not extend:
+                self._count_blocks(r.block_ids, -1)
             self._count_blocks(groups, 1)
             self._reserved_blocks -= self._blocks_to_come(r)
-        r.block_ids = groups
-        if self._block_refs is not None:
+        if extend:
+            for mine, more in zip(r.block_ids, groups):
+                mine.extend(more)
+        else:
+            r.block_ids = groups
+        if counting:
             self._reserved_blocks += self._blocks_to_come(r)
 
     def _blocks_to_come(self, r: RequestState) -> int:
@@ -96,14 +103,7 @@ class StepPlanning:
         if all_block_ids is not None:
             self._set_blocks(r, self._per_group(all_block_ids))
         elif new_block_ids:
-            new = self._per_group(new_block_ids)
-            if self._block_refs is not None:
-                self._count_blocks(new, 1)
-                self._reserved_blocks -= self._blocks_to_come(r)
-            for mine, more in zip(r.block_ids, new):
-                mine.extend(more)
-            if self._block_refs is not None:
-                self._reserved_blocks += self._blocks_to_come(r)
+            self._set_blocks(r, self._per_group(new_block_ids), extend=True)
 
     def append_tokens(self, req_id: str, tokens: Sequence[int]) -> None:
         """Generated tokens (stored only with store_decode)."""
