@@ -62,6 +62,22 @@ def instrument(cls, spent: collections.Counter, calls: collections.Counter) -> N
         setattr(cls, name, wrap())
 
 
+def timed_engine():
+    """The test harness, vLLM's TokensPrompt, and the time and calls each hook of TuttiConnectorV1
+    takes from now on (both halves in this process, to be timed)."""
+    import harness
+
+    harness.set_env()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import TokensPrompt
+
+    from tutti.vllm.connector import TuttiConnectorV1
+
+    spent, calls = collections.Counter(), collections.Counter()
+    instrument(TuttiConnectorV1, spent, calls)
+    return harness, TokensPrompt, spent, calls
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=8)
@@ -79,16 +95,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.workload == "prefixes":
         return prefixes(a)
-    import harness
-
-    harness.set_env()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # both halves in this process, to be timed
-    from vllm import TokensPrompt
-
-    from tutti.vllm.connector import TuttiConnectorV1
-
-    spent, calls = collections.Counter(), collections.Counter()
-    instrument(TuttiConnectorV1, spent, calls)
+    harness, TokensPrompt, spent, calls = timed_engine()
     work = tempfile.mkdtemp(prefix="tutti-hook-cost-")
     try:
         model = harness.make_tiny_model(os.path.join(work, "model"))
@@ -122,15 +129,7 @@ def prefixes(a) -> dict:
     and what tutti served (its stats' hit and stored counts over the runs)."""
     import random
 
-    import harness
-    harness.set_env()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import TokensPrompt
-
-    from tutti.vllm.connector import TuttiConnectorV1
-
-    spent, calls = collections.Counter(), collections.Counter()
-    instrument(TuttiConnectorV1, spent, calls)
+    harness, TokensPrompt, spent, calls = timed_engine()
     work = tempfile.mkdtemp(prefix="tutti-hook-cost-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         max_len = a.prefix_len + a.suffix_len + a.tokens + 64
