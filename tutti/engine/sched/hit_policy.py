@@ -190,11 +190,11 @@ class CostModel:
 
     @staticmethod
     def costs(q: HitQuery, rates: Rates, ms: Sequence[int]) -> list[float]:
-        """`cost(q, rates, m)` for every m > 0 of `ms`, the same floats, in one loop: vLLM asks
-        again for a request that waits at the head of its queue at every step, and an 8k-token hit
-        has 32 candidates (`python3 bench/hook_cost.py --workload prefixes`: the lookup was a
-        third of the scheduler's hook time). `tests/engine/sched/test_hit_policy.py` holds it
-        equal to `cost`."""
+        """`cost(q, rates, m)` for every m > 0 of `ms`, the same floats, in one loop. vLLM asks
+        again at every step for a request that waits at the head of its queue, and an 8k-token hit
+        has 32 candidates: priced through `cost`, they were the larger part of a lookup's time
+        (`python3 bench/hook_cost.py --workload prefixes --tiers`, results/hook_cost.md).
+        `tests/engine/sched/test_hit_policy.py` holds it equal to `cost`."""
         rl, rp = float(rates.load_bytes_per_s), float(rates.prefill_tokens_per_s)
         n, ctx, w, bpt = q.prompt_tokens, q.context_tokens, q.attention_weight, q.bytes_per_token
         cw = rates.prefill_backlog_tokens / rp
