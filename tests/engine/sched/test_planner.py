@@ -345,3 +345,24 @@ def test_no_tail_for_one_block_chunks_or_hybrid_models():
     plan = h.build_step({"a": 3 * T}, {"a": 0})
     h.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
     assert len(plan.stores) == 3 and h.match("b", toks, 0) == 2 * T
+
+
+def test_a_prompt_is_counted_once_however_often_vllm_asks_while_it_waits():
+    """vLLM looks a waiting request up again at every step its blocks do not fit: its prompt
+    counts once in queried_tokens (so hit_tokens / queried_tokens is a hit rate), and again
+    after a preemption, whose next lookup is a new one."""
+    p = planner()
+    toks = list(range(200))
+    plan = run_prefill(p, "a", toks, list(range(10, 17)))
+    p.on_report(WorkerReport(stored=[s.ticket for s in plan.stores]))
+    before = p.stats.queried_tokens
+    for _ in range(5):  # no blocks yet: asked again at every step
+        assert p.match("b", toks, 0) == 3 * T
+    assert p.stats.queried_tokens == before + len(toks)
+    p.on_alloc("b", list(range(20, 27)), 3 * T)
+    assert p.stats.hit_tokens == 3 * T
+    p.preempted("b")
+    assert p.match("b", toks, 0) == 3 * T
+    assert p.stats.queried_tokens == before + 2 * len(toks)
+    p.match("c", toks, 0)
+    assert p.stats.queried_tokens == before + 3 * len(toks)

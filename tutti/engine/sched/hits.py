@@ -48,11 +48,10 @@ class HitPlanning:
         up into the first, or are up while the request's blocks would not fit; meanwhile the
         request waits without GPU blocks (tiers.py: `_begin_stage`, `_waits_for_blocks`)."""
         r = self._request(req_id, tokens, identity)
-        recount = True
         if r.staging:
             if self._stage_pending(r) or self._waits_for_blocks(r, len(tokens), num_computed_tokens):
                 return None
-            r.staging, r.staged, recount = (), True, False  # its lookup was counted when staging began
+            r.staging, r.staged = (), True
         self._backlog -= r.in_backlog  # looked up again (it waited for room): not queued ahead of itself
         r.in_backlog = 0
         r.tail = False
@@ -69,8 +68,9 @@ class HitPlanning:
         hits = len(r.hit_sources)
         r.local_computed = num_computed_tokens
         r.hit_chunks = hits
-        if recount:
+        if not r.counted:  # once a scheduling, however often vLLM asks while the request waits
             self.stats.queried_tokens += len(tokens)
+            r.counted = True
         hit_tokens = hits * self.chunk_tokens
         r.computed = num_computed_tokens
         r.declined = 0

@@ -84,6 +84,9 @@ class RequestState:
     staging: tuple[bytes, ...] = ()  # promote "stage": its hit's lower-tier chunks being copied up first
     staging_since: float = 0.0  # when they were asked for (time.monotonic)
     staged: bool = False  # staged once already: the hit now loads from wherever its chunks are
+    # its prompt is in queried_tokens: counted at its first lookup, not again while it waits for
+    # blocks (vLLM asks at every step) or for a staged copy; again after a preemption
+    counted: bool = False
 
 
 @dataclass

@@ -265,6 +265,7 @@ class StepPlanning:
         r.computed = 0
         self._set_blocks(r, [[] for _ in range(self.num_groups)])
         r.hit_chunks = 0
+        r.counted = False  # its next lookup is a new one, whose hits count again
         r.next_store_chunk = 0  # chunks stored meanwhile are skipped as resident or pending
         r.stored_state_upto = 0
         self._preempted.append(req_id)
