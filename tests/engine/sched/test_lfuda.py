@@ -117,3 +117,42 @@ def test_the_simulators_ceiling_bounds_every_policy_and_is_minimal_by_hand():
     assert eviction_sim.belady([a_tokens, b_tokens, a_tokens], 256, 1) == (256, 0, 1, 1)  # hit, evicted, stored, bypassed
     ceiling = hits("zipf", "opt")
     assert ceiling >= max(hits("zipf", "lru"), hits("zipf", "lfuda"), hits("zipf", "fifo"))
+
+
+def test_a_lookup_vllm_repeats_for_a_waiting_request_is_no_extra_use():
+    """vLLM looks a request that waits for blocks up at every step: its chunks count one use for
+    the request (a prefix shared by more requests stays ahead of one asked for more often), and
+    the repeats still keep them recent (LRU moves them to the back)."""
+    from tutti.engine.sched.planner import Planner
+    from tutti.engine.keys import namespace_seed
+    from tutti.engine.plan import WorkerReport
+
+    p = Planner(num_slots=16, chunk_tokens=64, block_size=32, seed=namespace_seed("t"), num_workers=1,
+                slot_bytes=4096, eviction=LFUDA())
+    waited, shared = list(range(129)), list(range(1000, 1129))
+    for req, toks, blocks in (("w", waited, [1, 2, 3, 4, 5]), ("s", shared, [6, 7, 8, 9, 10])):
+        p.match(req, toks, 0)
+        p.on_alloc(req, blocks, 0)
+        p.update_request(req, tokens=toks, all_block_ids=blocks)
+        p.on_report(WorkerReport(stored=[s.ticket for s in p.build_step({req: 129}, {req: 0}).stores]))
+    counts = p.index.eviction._count
+    before = {k: counts[k] for k in p._reqs["w"].keys[:2]}
+    for _ in range(6):  # one request waiting for blocks: asked again at every step
+        assert p.match("w2", waited, 0) == 128
+    after_waiting = {k: counts[k] for k in p._reqs["w"].keys[:2]}
+    assert after_waiting == {k: v + 1 for k, v in before.items()}  # one use, not six
+    for req in ("s2", "s3"):  # two requests share the other prefix
+        assert p.match(req, shared, 0) == 128
+    assert all(counts[k] > counts[w] for k in p._reqs["s"].keys[:2] for w in p._reqs["w"].keys[:2])
+
+    lru = Planner(num_slots=16, chunk_tokens=64, block_size=32, seed=namespace_seed("t"), num_workers=1,
+                  slot_bytes=4096)
+    for req, toks, blocks in (("w", waited, [1, 2, 3, 4, 5]), ("s", shared, [6, 7, 8, 9, 10])):
+        lru.match(req, toks, 0)
+        lru.on_alloc(req, blocks, 0)
+        lru.update_request(req, tokens=toks, all_block_ids=blocks)
+        lru.on_report(WorkerReport(stored=[s.ticket for s in lru.build_step({req: 129}, {req: 0}).stores]))
+    lru.match("w2", waited, 0)
+    lru.match("s2", shared, 0)  # the shared prefix used last
+    lru.match("w2", waited, 0)  # the waiting request asked again: its chunks are the most recent
+    assert list(lru.index.eviction.order())[-2:] == lru._reqs["w"].keys[:2][::-1]

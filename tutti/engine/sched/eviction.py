@@ -26,6 +26,9 @@ from tutti.plugins import Registry
 
 
 class EvictionPolicy(Protocol):
+    """`refreshed(key)`, optional: a lookup vLLM repeated for a request still waiting for
+    blocks; recency only, not one more use. A policy without it is left as it is then."""
+
     def inserted(self, key: bytes) -> None: ...
     def touched(self, key: bytes) -> None: ...
     def removed(self, key: bytes) -> None: ...
@@ -47,6 +50,10 @@ class LRU:
     def touched(self, key: bytes) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def refreshed(self, key: bytes) -> None:
+        """Looked up again by a request still waiting (optional in a policy: recency only)."""
+        self.touched(key)
 
     def removed(self, key: bytes) -> None:
         self._order.pop(key, None)
@@ -140,6 +147,12 @@ class LFUDA:
     def touched(self, key: bytes) -> None:
         if key in self._count:
             self._use(key, self._count[key] + 1)
+
+    def refreshed(self, key: bytes) -> None:
+        """A lookup vLLM repeated for a request still waiting: the latest among its equals, not
+        one more use (a request that waits does not make its prefix more shared)."""
+        if key in self._count:
+            self._use(key, self._count[key])
 
     def removed(self, key: bytes) -> None:
         count = self._count.pop(key, None)

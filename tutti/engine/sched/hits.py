@@ -48,6 +48,7 @@ class HitPlanning:
         up into the first, or are up while the request's blocks would not fit; meanwhile the
         request waits without GPU blocks (tiers.py: `_begin_stage`, `_waits_for_blocks`)."""
         r = self._request(req_id, tokens, identity)
+        use = not r.counted  # the first lookup of this scheduling uses its chunks; a repeat refreshes them
         if r.staging:
             if self._stage_pending(r) or self._waits_for_blocks(r, len(tokens), num_computed_tokens):
                 return None
@@ -56,11 +57,11 @@ class HitPlanning:
         r.in_backlog = 0
         r.tail = False
         usable = (len(tokens) - 1) // self.chunk_tokens
-        r.hit_sources = self._locate(r.keys[:usable])
+        r.hit_sources = self._locate(r.keys[:usable], use=use)
         if self.state_groups:  # the hit ends on the last chunk whose state is stored too
             r.state_source = None
             while r.hit_sources:
-                where = self._locate([state_key(r.keys[len(r.hit_sources) - 1])])
+                where = self._locate([state_key(r.keys[len(r.hit_sources) - 1])], use=use)
                 if where:
                     r.state_source = where[0]
                     break
@@ -123,7 +124,7 @@ class HitPlanning:
         r.declined = found - take  # counted once vLLM allocates (it may look a request up again)
         r.declined_by = self._declined_by(r, found, chosen, take, budget_cut, reason, len(tokens) - num_computed_tokens,
                                           max_load_tokens, num_computed_tokens, batch, r.load_async)
-        extra = self._tail(r, len(tokens), usable, num_computed_tokens + take, max_load_tokens)
+        extra = self._tail(r, len(tokens), usable, num_computed_tokens + take, max_load_tokens, use=use)
         if extra:
             r.tail = True
             take += extra
@@ -141,7 +142,8 @@ class HitPlanning:
             return None
         return take
 
-    def _tail(self, r: RequestState, n_tokens: int, usable: int, end: int, max_load_tokens: int | None) -> int:
+    def _tail(self, r: RequestState, n_tokens: int, usable: int, end: int, max_load_tokens: int | None, *,
+              use: bool = True) -> int:
         """Tokens a hit ending at `end` grows by into the prompt's last chunk: all of it but the
         last block, which vLLM computes (it needs a token to compute, and tutti loads whole
         blocks). Only where the prompt ends on that chunk's end, the hit took every chunk before
@@ -154,7 +156,7 @@ class HitPlanning:
             return 0
         if max_load_tokens is not None and end + extra - r.local_computed > max_load_tokens:
             return 0
-        where = self._locate(r.keys[usable:usable + 1])
+        where = self._locate(r.keys[usable:usable + 1], use=use)
         if not where:
             return 0
         r.hit_sources.append(where[0])
@@ -276,10 +278,11 @@ class HitPlanning:
             log.warning("tutti: %s; loading the whole hit", exc)
             return chunk_floor(found, q)
 
-    def _locate(self, keys: Sequence[bytes]) -> list[tuple[str | None, int, int]]:
+    def _locate(self, keys: Sequence[bytes], *, use: bool = True) -> list[tuple[str | None, int, int]]:
         """Where each chunk of the longest stored prefix of `keys` is: (None, slot, tier) in our
-        own tiers, the fastest that holds it (touched there: recently used), else (writer, slot,
-        foreign_tier) in another writer's store (with tiers: in the last tier's roots)."""
+        own tiers, the fastest that holds it (touched there: used, or with `use` False only
+        refreshed, for a lookup vLLM repeats), else (writer, slot, foreign_tier) in another
+        writer's store (with tiers: in the last tier's roots)."""
         out: list[tuple[str | None, int, int]] = []
         touched: list[list[bytes]] = [[] for _ in range(self.num_tiers)]
         for key in keys:
@@ -299,7 +302,7 @@ class HitPlanning:
             out.append((hit[0], hit[1], self.foreign_tier))
         for t, own in enumerate(touched):  # tail first: the prefix's head ends the most recently used
             if own:
-                self.tier_index(t).touch_prefix(own)
+                self.tier_index(t).touch_prefix(own, use=use)
         return out
 
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int, *,

@@ -86,11 +86,16 @@ class ChunkIndex:
             self.touch_prefix(keys[:n])
         return n
 
-    def touch_prefix(self, keys: Sequence[bytes]) -> None:
-        """A hit used these chunks of one prefix (in prefix order): touched tail first."""
+    def touch_prefix(self, keys: Sequence[bytes], *, use: bool = True) -> None:
+        """A hit used these chunks of one prefix (in prefix order): touched tail first. With `use`
+        False, a lookup vLLM repeated for a request still waiting: refreshed (recency, not one
+        more use) where the policy tells the two apart (`refreshed`), else left as they are."""
+        touch = self.eviction.touched if use else getattr(self.eviction, "refreshed", None)
+        if touch is None:
+            return
         for key in reversed(keys):
             if key in self._resident:
-                self.eviction.touched(key)
+                touch(key)
 
     # -- pins ----------------------------------------------------------------------------
     def pin(self, keys: Iterable[bytes]) -> None:
