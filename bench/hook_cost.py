@@ -78,6 +78,27 @@ def timed_engine():
     return harness, TokensPrompt, spent, calls
 
 
+def timed_runs(a, llm, env, requests_of) -> list[dict]:
+    """A warm-up request, then `--repeats` batches (`requests_of(rep)`, `--tokens` generated each):
+    for each, its requests, wall seconds, engine steps, each hook's seconds (largest first) and
+    calls, and what tutti served meanwhile (the planner's counters)."""
+    harness, TokensPrompt, spent, calls = env
+    llm.generate([TokensPrompt(prompt_token_ids=harness.prompt(7, 300))], harness.greedy(4), use_tqdm=False)
+    stats = harness.connector(llm).planner.stats
+    out = []
+    for rep in range(a.repeats):
+        spent.clear()
+        calls.clear()
+        before = stats.copy()
+        reqs = requests_of(rep)
+        t0 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=r) for r in reqs], harness.greedy(a.tokens), use_tqdm=False)
+        out.append({"requests": len(reqs), "wall_s": time.perf_counter() - t0,
+                    "steps": max(1, calls["build_connector_meta"]), "spent": dict(spent.most_common()),
+                    "calls": collections.Counter(calls), "served": stats.since(before)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=8)
@@ -95,23 +116,17 @@ def main() -> None:
     a = ap.parse_args()
     if a.workload == "prefixes":
         return prefixes(a)
-    harness, TokensPrompt, spent, calls = timed_engine()
+    env = timed_engine()
+    harness = env[0]
     work = tempfile.mkdtemp(prefix="tutti-hook-cost-")
     try:
         model = harness.make_tiny_model(os.path.join(work, "model"))
         kv = harness.kv_config(os.path.join(work, "root"), chunk=32, capacity="256MiB", hit_policy="auto")
         llm = harness.make_llm(model, kv_transfer_config=kv, max_num_seqs=a.requests)
-        llm.generate([TokensPrompt(prompt_token_ids=harness.prompt(7, 300))], harness.greedy(4), use_tqdm=False)
-        runs = []
-        for rep in range(a.repeats):
-            spent.clear()
-            calls.clear()
-            # prompts under one chunk: nothing is stored or loaded, every step is a quiet decode step
-            reqs = [harness.prompt(500 + 10 * rep + i, 20) for i in range(a.requests)]
-            llm.generate([TokensPrompt(prompt_token_ids=r) for r in reqs], harness.greedy(a.tokens), use_tqdm=False)
-            steps = max(1, calls["build_connector_meta"])
-            runs.append({"steps": steps, "us_per_step": round(sum(spent.values()) / steps * 1e6, 1),
-                         "hooks": {k: round(v / steps * 1e6, 1) for k, v in spent.most_common()}})
+        # prompts under one chunk: nothing is stored or loaded, every step is a quiet decode step
+        raw = timed_runs(a, llm, env, lambda rep: [harness.prompt(500 + 10 * rep + i, 20) for i in range(a.requests)])
+        runs = [{"steps": r["steps"], "us_per_step": round(sum(r["spent"].values()) / r["steps"] * 1e6, 1),
+                 "hooks": {k: round(v / r["steps"] * 1e6, 1) for k, v in r["spent"].items()}} for r in raw]
         best = min(runs, key=lambda r: r["us_per_step"])
         print(f"tutti host time: {best['us_per_step']} us per step over {best['steps']} decode steps "
               f"(best of {a.repeats}: {[r['us_per_step'] for r in runs]})")
@@ -129,7 +144,8 @@ def prefixes(a) -> dict:
     and what tutti served (its stats' hit and stored counts over the runs)."""
     import random
 
-    harness, TokensPrompt, spent, calls = timed_engine()
+    env = timed_engine()
+    harness = env[0]
     work = tempfile.mkdtemp(prefix="tutti-hook-cost-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         max_len = a.prefix_len + a.suffix_len + a.tokens + 64
@@ -146,28 +162,22 @@ def prefixes(a) -> dict:
             kv = harness.kv_config(os.path.join(work, "root"), chunk=a.chunk_tokens, capacity="1GiB", hit_policy="auto")
         llm = harness.make_llm(model, kv_transfer_config=kv, max_num_seqs=a.requests, max_model_len=max_len,
                                max_num_batched_tokens=max(2048, a.chunk_tokens), num_gpu_blocks_override=a.gpu_blocks)
-        llm.generate([TokensPrompt(prompt_token_ids=harness.prompt(7, 300))], harness.greedy(4), use_tqdm=False)
-        runs = []
-        stats = harness.connector(llm).planner.stats
-        for rep in range(a.repeats):
-            spent.clear()
-            calls.clear()
-            before = stats.copy()
+
+        def requests(rep: int) -> list[list[int]]:  # each prefix --sends times, shuffled, a new suffix each time
             heads = [harness.prompt(1000 * (rep + 1) + i, a.prefix_len) for i in range(a.num_prefixes)]
             order = [i for i in range(a.num_prefixes) for _ in range(a.sends)]
             random.Random(rep).shuffle(order)
-            reqs = [heads[i] + harness.prompt(10 ** 6 + 100 * rep + n, a.suffix_len) for n, i in enumerate(order)]
-            t0 = time.perf_counter()
-            llm.generate([TokensPrompt(prompt_token_ids=r) for r in reqs], harness.greedy(a.tokens), use_tqdm=False)
-            wall = time.perf_counter() - t0
-            steps = max(1, calls["build_connector_meta"])
-            served = stats.since(before)
-            runs.append({"steps": steps, "wall_s": round(wall, 2), "requests": len(reqs),
-                         "tutti": {k: served.get(k, 0) for k in ("hit_tokens", "stores_committed", "stores_skipped")},
+            return [heads[i] + harness.prompt(10 ** 6 + 100 * rep + n, a.suffix_len) for n, i in enumerate(order)]
+
+        runs = []
+        for r in timed_runs(a, llm, env, requests):
+            steps, spent, calls = r["steps"], r["spent"], r["calls"]
+            runs.append({"steps": steps, "wall_s": round(r["wall_s"], 2), "requests": r["requests"],
+                         "tutti": {k: r["served"].get(k, 0) for k in ("hit_tokens", "stores_committed", "stores_skipped")},
                          "us_per_step": round(sum(spent.values()) / steps * 1e6, 1),
                          "hooks": {k: {"us_per_step": round(v / steps * 1e6, 1), "calls": calls[k],
                                        "us_per_call": round(v / max(calls[k], 1) * 1e6, 1)}
-                                   for k, v in spent.most_common()}})
+                                   for k, v in spent.items()}})
         best = min(runs, key=lambda r: r["us_per_step"])
         print(f"tutti host time: {best['us_per_step']} us per step over {best['steps']} steps, {best['wall_s']} s "
               f"(best of {a.repeats}: {[r['us_per_step'] for r in runs]})")
